@@ -1,0 +1,141 @@
+"""``mountfs``: create, mount, unmount and check stores."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from .store import DEFAULT_CHUNK_SIZE, StoreError
+
+SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in SIZE_UNITS else ""
+    try:
+        return int(t[:-1] if unit else t) * SIZE_UNITS[unit]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 1M, 256K)")
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def fail(msg: str, code: int = 1):
+    click.echo(f"mountfs: {msg}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="Log debug messages.")
+@click.pass_context
+def main(ctx, verbose):
+    """mountfs: a snapshotting filesystem on LMDB, mounted through FUSE.
+
+    \b
+    mountfs mkfs /srv/store            create an empty store
+    mountfs mount /srv/store /mnt/data mount it (returns once the mount is live)
+    snapctl -m /mnt/data create daily  take a snapshot (see 'snapctl --help')
+    mountfs umount /mnt/data           flush and unmount
+    mountfs fsck /srv/store            check every invariant of an unmounted store
+    """
+    ctx.obj = {"verbose": verbose}
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+@click.option("--chunk-size", default="1M", show_default=True,
+              help="Size of the content-addressed chunks files are cut into (power of two).")
+def mkfs(store, chunk_size):
+    """Create an empty store in directory STORE (new or empty)."""
+    from .store import Store
+    size = parse_size(chunk_size)
+    try:
+        Store.mkfs(store, size)
+    except StoreError as e:
+        fail(str(e))
+    click.echo(f"created store {os.path.abspath(store)} (chunk size {size} bytes)")
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+@click.argument("mountpoint", type=click.Path())
+@click.option("--foreground", "-f", is_flag=True, help="Stay attached; log to stderr.")
+@click.option("--allow-other", is_flag=True,
+              help="Let other users in (permissions are still enforced by mode bits).")
+@click.option("--read-only", is_flag=True, help="Mount without writes (EROFS on every write).")
+@click.option("--ready-fd", type=int, hidden=True)
+@click.pass_context
+def mount(ctx, store, mountpoint, foreground, allow_other, read_only, ready_fd):
+    """Mount STORE at MOUNTPOINT. Returns once the mount is ready."""
+    from .mount import mount_background, run_foreground
+    verbose = ctx.obj["verbose"]
+    if not foreground:
+        try:
+            pid = mount_background(store, mountpoint, allow_other, read_only, verbose)
+        except StoreError as e:
+            fail(str(e))
+        click.echo(f"mounted {os.path.abspath(store)} at {os.path.abspath(mountpoint)} "
+                   f"(pid {pid})")
+        return
+    setup_logging(verbose)
+
+    def ready(err):
+        if ready_fd is not None:
+            os.write(ready_fd, b"READY\n" if err is None else f"ERROR {err}\n".encode())
+            os.close(ready_fd)
+
+    try:
+        run_foreground(store, mountpoint, allow_other, read_only, ready=ready)
+    except StoreError as e:
+        if ready_fd is not None:
+            ready(str(e))
+        fail(str(e))
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path())
+@click.option("--timeout", default=120.0, show_default=True,
+              help="Seconds to wait for the mount process to flush and exit.")
+def umount(mountpoint, timeout):
+    """Flush and unmount MOUNTPOINT; returns when the data is safe in the store."""
+    from .mount import umount as do_umount
+    try:
+        do_umount(mountpoint, timeout)
+    except StoreError as e:
+        fail(str(e))
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+@click.option("--quiet", "-q", is_flag=True, help="Print only problems.")
+def fsck(store, quiet):
+    """Check every invariant of STORE and every chunk's digest. Never repairs.
+
+    Exit status 0 when the store is consistent, 1 when a problem was found."""
+    from .fsck import check
+    from .store import Store
+    try:
+        st = Store.open(store, readonly=False, lock=True, holder="fsck")
+    except StoreError as e:
+        fail(str(e), 2)
+    try:
+        report = check(st, progress=None if quiet else lambda m: click.echo(m, err=True))
+    finally:
+        st.close()
+    for problem in report.problems:
+        click.echo(f"PROBLEM: {problem}")
+    if not quiet or report.problems:
+        click.echo(report.summary())
+    sys.exit(1 if report.problems else 0)
+
+
+if __name__ == "__main__":
+    main()

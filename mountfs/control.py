@@ -1,0 +1,160 @@
+"""The control socket: how snapctl talks to a running mount.
+
+The mount process listens on ``STORE/control.sock`` (mode 0600, and the peer's uid is checked
+against the mount's owner). One request per connection: a JSON object on one line; one JSON
+answer on one line, ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+from pathlib import Path
+
+import trio
+
+from .namespace import FsError
+from .store import StoreError
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "control.sock"
+MAX_REQUEST = 1 << 16
+
+
+def socket_path(store: str | os.PathLike) -> Path:
+    return Path(store) / SOCKET_NAME
+
+
+class ControlError(StoreError):
+    """The mount refused a request or could not be reached."""
+
+
+def snapshot_json(snap) -> dict:
+    return {"name": snap.name, "epoch": snap.epoch, "created_ns": snap.created_ns,
+            "id": snap.snap_id, "uuid": snap.uuid.hex()}
+
+
+class ControlServer:
+    def __init__(self, engine, ops, mountpoint: str):
+        self.engine = engine
+        self.ops = ops
+        self.mountpoint = mountpoint
+        self.path = socket_path(engine.store.path)
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if self.path.exists() or self.path.is_symlink():
+            self.path.unlink()
+        old = os.umask(0o177)
+        try:
+            await sock.bind(str(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        sock.listen(16)
+        listener = trio.SocketListener(sock)
+        task_status.started()
+        try:
+            await trio.serve_listeners(self._handle, [listener])
+        finally:
+            self.path.unlink(missing_ok=True)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            if not self._peer_allowed(stream):
+                await stream.send_all(b'{"ok": false, "error": "permission denied"}\n')
+                return
+            buf = b""
+            while not buf.endswith(b"\n") and len(buf) < MAX_REQUEST:
+                data = await stream.receive_some(MAX_REQUEST)
+                if not data:
+                    break
+                buf += data
+            try:
+                reply = await self.dispatch(json.loads(buf))
+            except (StoreError, FsError, ValueError, KeyError, TypeError) as e:
+                reply = {"ok": False, "error": _message(e)}
+            except Exception as e:        # never let a bad request take the mount down
+                log.exception("control request failed")
+                reply = {"ok": False, "error": f"internal error: {e}"}
+            try:
+                await stream.send_all(json.dumps(reply).encode() + b"\n")
+            except trio.BrokenResourceError:
+                pass
+
+    def _peer_allowed(self, stream) -> bool:
+        creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                         struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        return uid in (0, os.getuid())
+
+    async def dispatch(self, req: dict) -> dict:
+        op = req.get("op")
+        engine = self.engine
+        if op == "status":
+            return {"ok": True, "pid": os.getpid(), "mountpoint": self.mountpoint,
+                    "store": str(engine.store.path), "live_epoch": engine.live}
+        if op == "list":
+            return {"ok": True, "snapshots": [snapshot_json(s) for s in engine.list_snapshots()]}
+        if self.ops.read_only:
+            raise ControlError("the filesystem is mounted read-only")
+        if op == "create":
+            return {"ok": True, "snapshot": snapshot_json(await engine.create_snapshot(req["name"]))}
+        if op == "delete":
+            snap = await engine.delete_snapshot(req["name"])
+            self.ops.forget_snapshot(snap.name)
+            return {"ok": True, "snapshot": snapshot_json(snap)}
+        if op == "rollback":
+            done = await engine.rollback(req["name"], bool(req.get("force")))
+            await self.ops.invalidate(done.inodes, done.entries)
+            return {"ok": True, "changed_inodes": len(done.inodes)}
+        if op == "restore":
+            top, copied, _orphans = await engine.restore_path(
+                req["name"], req["path"], req["dest"], bool(req.get("force")), self.ops._is_open)
+            parent = os.path.dirname(os.path.normpath("/" + req["dest"]))
+            with engine.view() as v:
+                pino = v.resolve(parent)
+            await self.ops.invalidate([pino], [(pino, os.path.basename(
+                os.path.normpath(req["dest"])).encode("utf-8", "surrogateescape"))])
+            return {"ok": True, "inode": top, "copied": copied}
+        raise ControlError(f"unknown request {op!r}")
+
+
+def _message(e: Exception) -> str:
+    if isinstance(e, FsError):
+        return os.strerror(e.errno)
+    if isinstance(e, KeyError):
+        return f"missing field {e}"
+    return str(e)
+
+
+def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0) -> dict:
+    """Send one request to the mount serving ``store``; raise ControlError on refusal."""
+    path = socket_path(store)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(str(path))
+        s.sendall(json.dumps(payload).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            data = s.recv(1 << 16)
+            if not data:
+                break
+            buf += data
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise ControlError(f"no mount is serving {store} (control socket {path} not answering)")
+    except socket.timeout:
+        raise ControlError(f"the mount serving {store} did not answer within {timeout:.0f} s")
+    finally:
+        s.close()
+    if not buf:
+        raise ControlError(f"the mount serving {store} closed the connection without an answer")
+    reply = json.loads(buf)
+    if not reply.get("ok"):
+        raise ControlError(reply.get("error", "request failed"))
+    return reply

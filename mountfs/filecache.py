@@ -1,0 +1,191 @@
+"""Write buffering for open files: dirty chunks live in memory until they fill, or until
+flush, fsync, release, a snapshot, or memory pressure; then they are hashed in a worker thread
+and committed with the file's new size in one transaction.
+
+Ownership rule: every structure here is touched only on the trio thread. A chunk is hashed
+from an immutable ``bytes`` copy; commits of one file are serialised by ``OpenFile.lock`` so
+that two versions of one chunk can never commit out of order.
+"""
+
+from __future__ import annotations
+
+import time
+
+import blake3
+import trio
+
+from .namespace import FsError
+
+DIRTY_LIMIT = 256 << 20         # bytes of dirty chunks before writers wait for flushes
+HASH_THREADS = trio.CapacityLimiter(2)
+
+
+def chunk_digest(data: bytes) -> bytes:
+    return blake3.blake3(data).digest()
+
+
+class DirtyChunk:
+    __slots__ = ("data", "gen")
+
+    def __init__(self, data: bytearray):
+        self.data = data
+        self.gen = 0
+
+
+class OpenFile:
+    """Per-inode write state, shared by every handle open on the inode."""
+
+    def __init__(self, ino: int, size: int):
+        self.ino = ino
+        self.size = size                      # size including unflushed writes
+        self.mtime_ns: int | None = None      # set when a write changed the file
+        self.dirty: dict[int, DirtyChunk] = {}
+        self.opens = 0
+        self.lock = trio.Lock()
+        self.error: int | None = None         # a failed background flush, reported once
+
+
+class FileCache:
+    def __init__(self, engine):
+        self.engine = engine
+        self.files: dict[int, OpenFile] = {}
+        self.dirty_bytes = 0
+        self.flushed = trio.Event()
+        self.nursery: trio.Nursery | None = None   # set by the mount for background flushes
+
+    # ---- open files ----------------------------------------------------------------------
+
+    def open(self, ino: int, size: int) -> OpenFile:
+        of = self.files.get(ino)
+        if of is None:
+            of = self.files[ino] = OpenFile(ino, size)
+        of.opens += 1
+        return of
+
+    async def release(self, of: OpenFile) -> None:
+        try:
+            await self.flush(of)
+        finally:
+            of.opens -= 1
+            if of.opens == 0 and not of.dirty:
+                self.files.pop(of.ino, None)
+
+    def get(self, ino: int) -> OpenFile | None:
+        return self.files.get(ino)
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    async def write(self, of: OpenFile, off: int, buf: bytes) -> int:
+        if of.error is not None:
+            err, of.error = of.error, None
+            raise FsError(err)
+        cs = self.engine.chunk_size
+        view_data = memoryview(buf)
+        pos = 0
+        full = []
+        while pos < len(buf):
+            idx, within = divmod(off + pos, cs)
+            take = min(cs - within, len(buf) - pos)
+            dc = of.dirty.get(idx)
+            if dc is None:
+                if within == 0 and take == cs:
+                    dc = DirtyChunk(bytearray(view_data[pos:pos + take]))
+                else:
+                    dc = DirtyChunk(bytearray(self._stored_chunk(of, idx)))
+                of.dirty[idx] = dc
+                self.dirty_bytes += cs
+            data = dc.data
+            if len(data) < within:
+                data.extend(bytes(within - len(data)))
+            data[within:within + take] = view_data[pos:pos + take]
+            dc.gen += 1
+            if within + take == cs:
+                full.append(idx)
+            pos += take
+        of.size = max(of.size, off + len(buf))
+        of.mtime_ns = time.time_ns()
+        for idx in full:
+            self._flush_later(of, [idx])
+        while self.dirty_bytes > DIRTY_LIMIT:
+            self._flush_later(of, sorted(of.dirty))
+            self.flushed = trio.Event() if self.flushed.is_set() else self.flushed
+            await self.flushed.wait()
+        return len(buf)
+
+    def _stored_chunk(self, of: OpenFile, idx: int) -> bytes:
+        if idx * self.engine.chunk_size >= of.size:
+            return b""
+        with self.engine.view() as v:
+            data = v.chunk_data(of.ino, idx)
+        return data[:max(0, of.size - idx * self.engine.chunk_size)]
+
+    def read(self, of: OpenFile, idx: int) -> bytes | None:
+        """The buffered content of chunk ``idx``, if it is dirty."""
+        dc = of.dirty.get(idx)
+        return bytes(dc.data) if dc is not None else None
+
+    # ---- flushing --------------------------------------------------------------------------
+
+    def _flush_later(self, of: OpenFile, idxs: list[int]) -> None:
+        if self.nursery is not None:
+            self.nursery.start_soon(self._flush_background, of, idxs)
+
+    async def _flush_background(self, of: OpenFile, idxs: list[int]) -> None:
+        try:
+            await self.flush_chunks(of, idxs, final=False)
+        except FsError as e:
+            of.error = e.errno
+
+    async def flush(self, of: OpenFile) -> None:
+        """Commit every dirty chunk and the file's size and mtime."""
+        await self.flush_chunks(of, sorted(of.dirty), final=True)
+        if of.error is not None:
+            err, of.error = of.error, None
+            raise FsError(err)
+
+    async def flush_all(self) -> None:
+        for of in list(self.files.values()):
+            await self.flush(of)
+
+    async def flush_chunks(self, of: OpenFile, idxs: list[int], final: bool) -> None:
+        async with of.lock:
+            for idx in idxs:
+                dc = of.dirty.get(idx)
+                if dc is None:
+                    continue
+                gen, data = dc.gen, bytes(dc.data)
+                digest = await trio.to_thread.run_sync(chunk_digest, data, limiter=HASH_THREADS)
+                await self.engine.mutate(self._commit_chunk, of, idx, digest, data)
+                if of.dirty.get(idx) is dc and dc.gen == gen:
+                    del of.dirty[idx]
+                    self.dirty_bytes -= self.engine.chunk_size
+                    self.flushed.set()
+            if final and of.mtime_ns is not None and not of.dirty:
+                await self.engine.mutate(self._commit_attrs, of)
+            if of.opens == 0 and not of.dirty:
+                self.files.pop(of.ino, None)
+
+    def _commit_chunk(self, live, of: OpenFile, idx: int, digest: bytes, data: bytes) -> None:
+        rec = live.inode(of.ino)
+        if rec is None:                 # deleted meanwhile (a rollback): drop the data
+            return
+        live.put_chunk(of.ino, idx, digest, data)
+        cs = self.engine.chunk_size
+        size = max(rec.size, min(of.size, (idx + 1) * cs))
+        live.save(of.ino, rec.evolve(size=size, mtime_ns=of.mtime_ns or rec.mtime_ns,
+                                     ctime_ns=of.mtime_ns or rec.ctime_ns))
+
+    def _commit_attrs(self, live, of: OpenFile) -> None:
+        rec = live.inode(of.ino)
+        if rec is None:
+            return
+        live.save(of.ino, rec.evolve(size=max(rec.size, of.size), mtime_ns=of.mtime_ns,
+                                     ctime_ns=of.mtime_ns))
+        of.mtime_ns = None
+
+    def forget_dirty(self, ino: int) -> None:
+        """Drop buffered data of an inode that no longer exists."""
+        of = self.files.get(ino)
+        if of is not None:
+            self.dirty_bytes -= len(of.dirty) * self.engine.chunk_size
+            of.dirty.clear()

@@ -1,0 +1,215 @@
+"""``mountfs fsck``: check every invariant of a store, and every chunk's digest. It reports;
+it never repairs. Each check names the invariant it guards (see schema.py):
+
+* tree shape at every retained epoch: every entry names an inode that exists, no directory is
+  reachable twice, every live inode is reachable or a recorded orphan;
+* link counts: a file's nlink is the number of names it has, a directory's is 2 + subdirs;
+* mepoch: no inode is older than any version of its own records, nor than any child;
+* the live parents table matches the live directory entries;
+* chunk data: every chunk-map version names stored data of the right length, reference counts
+  equal the number of chunk-map versions naming each digest, no data is unreferenced, and
+  every stored chunk hashes (blake3) to its name;
+* epochs: no version is newer than the live epoch; snapshots are consistent.
+"""
+
+from __future__ import annotations
+
+import stat
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import blake3
+
+from . import schema as S
+from .namespace import View
+from .snapshots import list_all, live_epoch
+from .store import Store, iter_visible
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)
+    inodes: int = 0
+    chunks: int = 0
+    snapshots: int = 0
+
+    def summary(self) -> str:
+        state = f"{len(self.problems)} problem(s)" if self.problems else "no problems"
+        return (f"fsck: {state}; checked {self.snapshots} snapshot(s) and the live tree, "
+                f"{self.inodes} inode versions, {self.chunks} chunks")
+
+
+def check(store: Store, progress=None) -> Report:
+    report = Report()
+    say = progress or (lambda msg: None)
+    with store.read() as txn:
+        dbs = store.db
+        live = live_epoch(txn, dbs)
+        snaps = list_all(txn, dbs)
+        report.snapshots = len(snaps)
+        _check_meta(txn, dbs, live, snaps, report)
+        for snap in snaps:
+            say(f"checking snapshot {snap.name} (epoch {snap.epoch})")
+            _check_tree(View(txn, dbs, snap.epoch, store.chunk_size), report,
+                        f"snapshot {snap.name}", live=False)
+        say("checking the live tree")
+        _check_tree(View(txn, dbs, live, store.chunk_size), report, "live tree", live=True)
+        say("checking chunk data")
+        _check_chunks(txn, dbs, store.chunk_size, report)
+    return report
+
+
+def _check_meta(txn, dbs, live: int, snaps, report: Report) -> None:
+    next_ino = S.from_u64(txn.get(b"next_ino", db=dbs["meta"]))
+    for dbname in S.VERSIONED_DBS:
+        for key in txn.cursor(db=dbs[dbname]).iternext(values=False):
+            epoch = S.epoch_of_key(bytes(key))
+            if epoch > live:
+                report.problems.append(f"{dbname}: a version from epoch {epoch} is newer than "
+                                       f"the live epoch {live}")
+            if S.from_u64(key[:8]) >= next_ino:
+                report.problems.append(f"{dbname}: inode {S.from_u64(key[:8])} is not below "
+                                       f"the next inode number {next_ino}")
+    epochs = Counter(s.epoch for s in snaps)
+    for snap in snaps:
+        if snap.epoch >= live:
+            report.problems.append(f"snapshot {snap.name}: epoch {snap.epoch} is not older "
+                                   f"than the live epoch {live}")
+        if epochs[snap.epoch] > 1:
+            report.problems.append(f"snapshot {snap.name}: epoch {snap.epoch} is shared")
+    if txn.stat(dbs["snaps"])["entries"] != len(snaps):
+        report.problems.append("snapshot tables disagree (names vs epochs)")
+
+
+def _newest_epoch(txn, db, prefix: bytes, upto: int) -> int:
+    """The newest version epoch at or below ``upto`` among records under ``prefix``."""
+    best = 0
+    cur = txn.cursor(db)
+    if not cur.set_range(prefix):
+        return 0
+    for key in cur.iternext(values=False):
+        key = bytes(key)
+        if key[:len(prefix)] != prefix:
+            break
+        e = S.epoch_of_key(key)
+        if best < e <= upto:
+            best = e
+    return best
+
+
+def _check_tree(view: View, report: Report, where: str, live: bool) -> None:
+    txn, dbs, epoch = view.txn, view.db, view.epoch
+    names = Counter()
+    seen_dirs = set()
+    reached = set()
+    parents = Counter()
+    todo = [S.ROOT_INO]
+    root = view.inode(S.ROOT_INO)
+    if root is None or not stat.S_ISDIR(root.mode):
+        report.problems.append(f"{where}: the root directory is missing")
+        return
+    while todo:
+        d = todo.pop()
+        if d in seen_dirs:
+            report.problems.append(f"{where}: directory {d} is reachable more than once")
+            continue
+        seen_dirs.add(d)
+        reached.add(d)
+        drec = view.get(d)
+        subdirs = 0
+        for name, child in view.listdir(d):
+            crec = view.inode(child)
+            if crec is None:
+                report.problems.append(f"{where}: entry {name!r} in directory {d} names "
+                                       f"inode {child}, which does not exist")
+                continue
+            names[child] += 1
+            parents[(child, d)] += 1
+            reached.add(child)
+            if crec.mepoch > drec.mepoch:
+                report.problems.append(f"{where}: directory {d} has mepoch {drec.mepoch}, "
+                                       f"older than its child {child} ({crec.mepoch})")
+            if stat.S_ISDIR(crec.mode):
+                subdirs += 1
+                todo.append(child)
+        if drec.nlink != 2 + subdirs:
+            report.problems.append(f"{where}: directory {d} has nlink {drec.nlink}, expected "
+                                   f"{2 + subdirs}")
+    for ino in reached:
+        rec = view.get(ino)
+        report.inodes += 1
+        _check_inode(view, ino, rec, where, report)
+        if not stat.S_ISDIR(rec.mode) and rec.nlink != names[ino]:
+            report.problems.append(f"{where}: inode {ino} has nlink {rec.nlink} but "
+                                   f"{names[ino]} name(s)")
+    if live:
+        _check_live_extras(view, reached, parents, report)
+
+
+def _check_inode(view: View, ino: int, rec: S.Inode, where: str, report: Report) -> None:
+    txn, dbs, epoch = view.txn, view.db, view.epoch
+    newest = max(_newest_epoch(txn, dbs["inodes"], S.inode_key(ino), epoch),
+                 _newest_epoch(txn, dbs["xattrs"], S.u64(ino), epoch),
+                 _newest_epoch(txn, dbs["chunks"], S.u64(ino), epoch))
+    if stat.S_ISDIR(rec.mode):
+        newest = max(newest, _newest_epoch(txn, dbs["dirents"], S.dirent_prefix(ino), epoch))
+    if rec.mepoch < newest:
+        report.problems.append(f"{where}: inode {ino} has mepoch {rec.mepoch} but changed in "
+                               f"epoch {newest}")
+    if stat.S_ISREG(rec.mode):
+        for idx in view.chunk_indices(ino):
+            digest, length = view.chunk(ino, idx)
+            if length > view.chunk_size or idx * view.chunk_size >= rec.size:
+                report.problems.append(f"{where}: inode {ino} chunk {idx} lies beyond its "
+                                       f"size {rec.size} or is too long ({length})")
+    elif stat.S_ISLNK(rec.mode) and not rec.target:
+        report.problems.append(f"{where}: symlink {ino} has no target")
+
+
+def _check_live_extras(view: View, reached: set, parents: Counter, report: Report) -> None:
+    txn, dbs = view.txn, view.db
+    stored = Counter()
+    for key, value in txn.cursor(db=dbs["parents"]):
+        stored[(S.from_u64(key[:8]), S.from_u64(key[8:16]))] = S.U32.unpack(bytes(value))[0]
+    if stored != parents:
+        diff = set(stored.items()) ^ set(parents.items())
+        report.problems.append(f"live tree: the parents table disagrees with the directory "
+                               f"entries at {len(diff)} place(s), e.g. {sorted(diff)[:3]}")
+    orphans = {S.from_u64(k) for k in txn.cursor(db=dbs["orphans"]).iternext(values=False)}
+    for base, value in iter_visible(txn, dbs["inodes"], b"", view.epoch):
+        ino = S.from_u64(base)
+        if ino not in reached and ino not in orphans:
+            report.problems.append(f"live tree: inode {ino} exists but has no name and is not "
+                                   f"a recorded orphan")
+
+
+def _check_chunks(txn, dbs, chunk_size: int, report: Report) -> None:
+    refs = Counter()
+    lengths = defaultdict(set)
+    for key, value in txn.cursor(db=dbs["chunks"]):
+        if len(value):
+            digest, length = S.unpack_chunk(value)
+            refs[digest] += 1
+            lengths[digest].add(length)
+    stored = {bytes(k): S.from_u64(v) for k, v in txn.cursor(db=dbs["refs"])}
+    for digest in set(refs) | set(stored):
+        if refs[digest] != stored.get(digest, 0):
+            report.problems.append(f"chunk {digest.hex()[:16]}: reference count "
+                                   f"{stored.get(digest, 0)}, but {refs[digest]} chunk-map "
+                                   f"version(s) name it")
+    blobs = 0
+    for key, data in txn.cursor(db=dbs["blobs"]):
+        key = bytes(key)
+        blobs += 1
+        if key not in stored:
+            report.problems.append(f"chunk {key.hex()[:16]}: stored but unreferenced")
+        if blake3.blake3(data).digest() != key:
+            report.problems.append(f"chunk {key.hex()[:16]}: data does not match its digest "
+                                   f"(corrupt)")
+        if lengths[key] and lengths[key] != {len(data)}:
+            report.problems.append(f"chunk {key.hex()[:16]}: stored length {len(data)} but "
+                                   f"chunk maps say {sorted(lengths[key])}")
+    for digest in stored:
+        if txn.get(digest, db=dbs["blobs"]) is None:
+            report.problems.append(f"chunk {digest.hex()[:16]}: referenced but missing")
+    report.chunks = blobs

@@ -1,0 +1,233 @@
+"""Mounting and unmounting: the mount process's life, from the store lock to a clean
+unmount, plus finding which store backs a mountpoint (/proc/self/mountinfo).
+
+``mountfs mount`` starts the mount process in the background and returns once the mount is
+live (the child reports READY, or its error, on a pipe); ``--foreground`` runs it here.
+``mountfs umount`` waits until the mount process has flushed and exited, not just for the
+kernel to detach (umount alone returns before our data is safe).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from .control import ControlServer
+from .engine import Engine
+from .ops import Operations
+from .store import Store, StoreError, lock_holder
+
+log = logging.getLogger(__name__)
+
+FSTYPE = "fuse.mountfs"
+
+
+@dataclass
+class MountInfo:
+    mountpoint: str
+    store: str
+
+
+def _unescape(field: str) -> str:
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+def mounts() -> list[MountInfo]:
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if rfields and rfields[0] == FSTYPE:
+                source = _unescape(rfields[1])
+                if source.startswith("mountfs:"):
+                    out.append(MountInfo(_unescape(fields[4]), source[len("mountfs:"):]))
+    return out
+
+
+def find_mount(path: str) -> MountInfo | None:
+    """The mountfs mount holding ``path`` (the deepest one)."""
+    path = os.path.abspath(path)
+    best = None
+    for m in mounts():
+        if path == m.mountpoint or path.startswith(m.mountpoint.rstrip("/") + "/"):
+            if best is None or len(m.mountpoint) > len(best.mountpoint):
+                best = m
+    return best
+
+
+def _check_mountpoint(mountpoint: str) -> None:
+    try:
+        st = os.stat(mountpoint)
+    except FileNotFoundError:
+        raise StoreError(f"mountpoint {mountpoint} does not exist")
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            raise StoreError(f"{mountpoint} is a mount whose process died; run "
+                             f"'mountfs umount {mountpoint}' first")
+        raise StoreError(f"mountpoint {mountpoint}: {e.strerror}")
+    import stat as st_mod
+    if not st_mod.S_ISDIR(st.st_mode):
+        raise StoreError(f"mountpoint {mountpoint} is not a directory")
+    if os.path.ismount(mountpoint):
+        raise StoreError(f"{mountpoint} is already a mountpoint")
+
+
+# ---- the mount process ------------------------------------------------------------------------
+
+def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
+                   read_only: bool = False, ready=None) -> None:
+    """Mount and serve until unmounted or signalled. ``ready(msg)`` is called with None once
+    the mount is live, or with an error message if it could not be."""
+    mountpoint = os.path.abspath(mountpoint)
+    _check_mountpoint(mountpoint)
+    store = Store.open(store_path, readonly=read_only, lock=not read_only,
+                       holder=f"mounted at {mountpoint}")
+    try:
+        engine = Engine(store)
+        ops = Operations(engine, read_only=read_only)
+        options = set(pyfuse3.default_options)
+        options |= {f"fsname=mountfs:{store.path}", "subtype=mountfs"}
+        if allow_other:
+            options.add("allow_other")
+        if read_only:
+            options.add("ro")
+        try:
+            pyfuse3.init(ops, mountpoint, options)
+        except RuntimeError as e:
+            raise StoreError(f"cannot mount {mountpoint}: {e}") from e
+        clean = False
+        try:
+            trio.run(_serve, engine, ops, mountpoint, ready)
+            clean = True
+        finally:
+            pyfuse3.close(unmount=clean)
+    finally:
+        store.close()
+
+
+async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> None:
+    if not engine.store.readonly:
+        n = await engine.remove_orphans()
+        if n:
+            log.info("deleted %d unlinked inodes left open by an earlier mount", n)
+    async with trio.open_nursery() as nursery:
+        engine.files.nursery = nursery
+        if not engine.store.readonly:
+            nursery.start_soon(engine.syncer)
+            nursery.start_soon(engine.collector)
+            engine.wake_gc()
+        await nursery.start(ControlServer(engine, ops, mountpoint).serve)
+        nursery.start_soon(_on_signals)
+        if ready:
+            ready(None)
+        _notify_systemd(b"READY=1")
+        log.info("mounted %s at %s", engine.store.path, mountpoint)
+        await pyfuse3.main()
+        log.info("unmounting %s: flushing", mountpoint)
+        engine.files.nursery = None
+        await engine.files.flush_all()
+        await engine.sync()
+        nursery.cancel_scope.cancel()
+
+
+async def _on_signals() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            log.info("signal received: unmounting")
+            pyfuse3.terminate()
+
+
+def _notify_systemd(msg: bytes) -> None:
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    import socket
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(msg, addr)
+
+
+# ---- starting in the background and stopping -------------------------------------------------
+
+def mount_background(store: str, mountpoint: str, allow_other: bool, read_only: bool,
+                     verbose: bool, timeout: float = 60.0) -> int:
+    """Start the mount process and wait until it reports that the mount is live."""
+    rfd, wfd = os.pipe()
+    store = os.path.abspath(store)
+    log_path = Path(store) / "mountfs.log" if Path(store).is_dir() else Path(os.devnull)
+    cmd = [sys.executable, "-m", "mountfs.cli"] + (["-v"] if verbose else []) + \
+        ["mount", "--foreground", "--ready-fd", str(wfd), store, mountpoint]
+    if allow_other:
+        cmd.append("--allow-other")
+    if read_only:
+        cmd.append("--read-only")
+    try:
+        logf = open(log_path, "a") if os.access(log_path.parent, os.W_OK) else None
+    except OSError:
+        logf = None
+    proc = subprocess.Popen(cmd, pass_fds=(wfd,), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=logf or subprocess.DEVNULL,
+                            start_new_session=True)
+    os.close(wfd)
+    if logf:
+        logf.close()
+    deadline = time.monotonic() + timeout
+    msg = b""
+    with os.fdopen(rfd, "rb") as r:
+        while time.monotonic() < deadline:
+            chunk = r.readline()
+            msg += chunk
+            if not chunk or chunk.endswith(b"\n"):
+                break
+    text = msg.decode(errors="replace").strip()
+    if text == "READY":
+        return proc.pid
+    if not text:
+        rc = proc.poll()
+        raise StoreError(f"the mount process exited (status {rc}) without mounting; "
+                         f"see {log_path}")
+    raise StoreError(text.removeprefix("ERROR "))
+
+
+def umount(mountpoint: str, timeout: float = 120.0) -> None:
+    mountpoint = os.path.abspath(mountpoint)
+    info = next((m for m in mounts() if m.mountpoint == mountpoint), None)
+    if info is None:
+        raise StoreError(f"{mountpoint} is not a mountfs mount")
+    holder = lock_holder(info.store) or ""
+    pid = int(holder.split()[1]) if holder.startswith("pid ") else None
+    dead = False
+    try:
+        os.stat(mountpoint)
+    except OSError as e:
+        dead = e.errno == errno.ENOTCONN
+    cmd = ["fusermount3", "-u"] + (["-z"] if dead else []) + [mountpoint]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        err = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"
+        raise StoreError(f"cannot unmount {mountpoint}: {err}")
+    if pid is None:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        if lock_holder(info.store) is None:
+            return
+        time.sleep(0.05)
+    raise StoreError(f"unmounted, but the mount process {pid} has not exited after "
+                     f"{timeout:.0f} s")

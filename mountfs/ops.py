@@ -1,0 +1,591 @@
+"""The FUSE surface: a thin adapter from pyfuse3 requests to the engine and the namespace.
+
+Inode numbers seen by the kernel:
+* below ``VIRT_BASE``: live inodes, the store's own numbers (never reused);
+* ``SNAPDIR_INO``: the virtual ``.snapshot`` directory at the root (entered by name only);
+* above it: an inode as of a snapshot, numbered on demand and forgotten when the kernel
+  forgets it, so any number of snapshots can be browsed.
+
+Every handler runs under ``guard``: an unexpected exception is logged and answered with EIO
+instead of killing the mount (pyfuse3 only catches FUSEError).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+
+import pyfuse3
+import trio
+
+from . import schema as S
+from .engine import Engine
+from .filecache import OpenFile, chunk_digest
+from .namespace import FsError
+
+log = logging.getLogger(__name__)
+
+VIRT_BASE = 1 << 62
+SNAPDIR_INO = VIRT_BASE
+SNAPDIR_NAME = b".snapshot"
+LIVE_TIMEOUT = 300.0
+SNAP_TIMEOUT = 3600.0
+READONLY_TIMEOUT = 1.0
+BLKSIZE = 128 << 10
+ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
+
+
+def guard(fn):
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except FsError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
+        except Exception:
+            log.exception("internal error in %s%r", fn.__name__, args[1:])
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return wrapper
+
+
+class Handle:
+    __slots__ = ("ino", "of", "epoch", "real", "size")
+
+    def __init__(self, ino: int, of: OpenFile | None, epoch: int | None, real: int, size: int):
+        self.ino, self.of, self.epoch, self.real, self.size = ino, of, epoch, real, size
+
+
+class Operations(pyfuse3.Operations):
+    enable_writeback_cache = False
+
+    def __init__(self, engine: Engine, read_only: bool = False):
+        super().__init__()
+        self.engine = engine
+        self.read_only = read_only
+        self.lookups: dict[int, int] = {}
+        self.virt: dict[int, tuple[int, int]] = {}
+        self.virt_rev: dict[tuple[int, int], int] = {}
+        self.next_virt = VIRT_BASE + 1
+        self.handles: dict[int, Handle] = {}
+        self.dirs: dict[int, tuple[int, list]] = {}
+        self.next_fh = 1
+        self.timeout = READONLY_TIMEOUT if read_only else LIVE_TIMEOUT
+
+    # ---- inode numbers -------------------------------------------------------------------
+
+    def _where(self, ino: int) -> tuple[int | None, int]:
+        """(epoch or None for live, store inode) of a kernel inode number."""
+        if ino < VIRT_BASE:
+            return None, ino
+        try:
+            return self.virt[ino]
+        except KeyError:
+            raise FsError(errno.ESTALE) from None
+
+    def _virtual(self, epoch: int, real: int) -> int:
+        v = self.virt_rev.get((epoch, real))
+        if v is None:
+            v = self.next_virt
+            self.next_virt += 1
+            self.virt[v] = (epoch, real)
+            self.virt_rev[(epoch, real)] = v
+        return v
+
+    def _kernel_ino(self, epoch: int | None, real: int) -> int:
+        return real if epoch is None else self._virtual(epoch, real)
+
+    def _writable(self, ino: int) -> None:
+        if ino >= VIRT_BASE:
+            raise FsError(errno.EROFS)
+        if self.read_only:
+            raise FsError(errno.EROFS)
+
+    def _counted(self, ino: int) -> None:
+        self.lookups[ino] = self.lookups.get(ino, 0) + 1
+
+    def _is_open(self, ino: int) -> bool:
+        return ino in self.lookups or ino in self.engine.files.files
+
+    # ---- attributes ----------------------------------------------------------------------
+
+    def _attrs(self, kino: int, rec: S.Inode, live: bool) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        size, mtime, ctime = rec.size, rec.mtime_ns, rec.ctime_ns
+        if live:
+            of = self.engine.files.get(kino)
+            if of is not None:
+                size = of.size
+                if of.mtime_ns is not None:
+                    mtime = ctime = of.mtime_ns
+        e.st_ino = kino
+        e.generation = 0
+        e.entry_timeout = e.attr_timeout = self.timeout if live else SNAP_TIMEOUT
+        e.st_mode = rec.mode
+        e.st_nlink = rec.nlink
+        e.st_uid = rec.uid
+        e.st_gid = rec.gid
+        e.st_rdev = rec.rdev
+        e.st_size = size
+        e.st_blksize = BLKSIZE
+        e.st_blocks = (size + 511) // 512 if stat.S_ISREG(rec.mode) else 0
+        e.st_atime_ns = rec.atime_ns
+        e.st_mtime_ns = mtime
+        e.st_ctime_ns = ctime
+        return e
+
+    def _snapdir_attrs(self) -> pyfuse3.EntryAttributes:
+        with self.engine.view() as v:
+            root = v.get(S.ROOT_INO)
+        rec = root.evolve(mode=stat.S_IFDIR | 0o555, nlink=2)
+        attrs = self._attrs(SNAPDIR_INO, rec, live=False)
+        attrs.entry_timeout = attrs.attr_timeout = 1.0
+        return attrs
+
+    def _attrs_of(self, kino: int) -> pyfuse3.EntryAttributes:
+        if kino == SNAPDIR_INO:
+            return self._snapdir_attrs()
+        epoch, real = self._where(kino)
+        with self.engine.view(epoch) as v:
+            return self._attrs(kino, v.get(real), live=epoch is None)
+
+    # ---- lookup and forget ---------------------------------------------------------------
+
+    @guard
+    async def lookup(self, parent_inode, name, ctx=None):
+        if parent_inode == S.ROOT_INO and name == SNAPDIR_NAME:
+            return self._snapdir_attrs()
+        if parent_inode == SNAPDIR_INO:
+            try:
+                snap = self.engine.snapshot(os.fsdecode(name))
+            except Exception:
+                raise FsError(errno.ENOENT) from None
+            kino = self._virtual(snap.epoch, S.ROOT_INO)
+            with self.engine.view(snap.epoch) as v:
+                attrs = self._attrs(kino, v.get(S.ROOT_INO), live=False)
+            self._counted(kino)
+            return attrs
+        epoch, real = self._where(parent_inode)
+        with self.engine.view(epoch) as v:
+            child = v.lookup(real, name)
+            if child is None:
+                raise FsError(errno.ENOENT)
+            kino = self._kernel_ino(epoch, child)
+            attrs = self._attrs(kino, v.get(child), live=epoch is None)
+        self._counted(kino)
+        return attrs
+
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            left = self.lookups.get(ino, 0) - n
+            if left > 0:
+                self.lookups[ino] = left
+                continue
+            self.lookups.pop(ino, None)
+            if ino > SNAPDIR_INO:
+                key = self.virt.pop(ino, None)
+                if key is not None:
+                    self.virt_rev.pop(key, None)
+            elif ino < VIRT_BASE:
+                await self._reap(ino)
+
+    async def _reap(self, ino: int) -> None:
+        """Delete an unlinked inode once neither a name nor the kernel refers to it."""
+        if self._is_open(ino) or self.read_only:
+            return
+        try:
+            with self.engine.store.read() as txn:
+                orphan = txn.get(S.u64(ino), db=self.engine.db["orphans"]) is not None
+            if orphan:
+                await self.engine.mutate(lambda live: live.destroy(ino))
+                self.engine.wake_gc()
+        except Exception:
+            log.exception("could not delete unlinked inode %d; the next mount will", ino)
+
+    @guard
+    async def getattr(self, inode, ctx=None):
+        return self._attrs_of(inode)
+
+    # ---- attributes that change --------------------------------------------------------------
+
+    @guard
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        self._writable(inode)
+        of = self.engine.files.get(inode)
+        if of is not None:
+            await self.engine.files.flush(of)
+        if fields.update_size:
+            await self._truncate(inode, attr.st_size)
+        changes = {}
+        if fields.update_mode or fields.update_uid or fields.update_gid:
+            with self.engine.view() as v:
+                rec = v.get(inode)
+            if fields.update_mode:
+                changes["mode"] = stat.S_IFMT(rec.mode) | stat.S_IMODE(attr.st_mode)
+            if fields.update_uid:
+                changes["uid"] = attr.st_uid
+            if fields.update_gid:
+                changes["gid"] = attr.st_gid
+        if fields.update_atime:
+            changes["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            changes["mtime_ns"] = attr.st_mtime_ns
+        if fields.update_ctime:
+            changes["ctime_ns"] = attr.st_ctime_ns
+        if changes:
+            await self.engine.mutate(lambda live: live.setattr(inode, **changes))
+        return self._attrs_of(inode)
+
+    async def _truncate(self, ino: int, size: int) -> None:
+        cs = self.engine.chunk_size
+        with self.engine.view() as v:
+            rec = v.get(ino)
+            if not stat.S_ISREG(rec.mode):
+                raise FsError(errno.EINVAL)
+            keep = size % cs
+            tail = v.chunk_data(ino, size // cs)[:keep] if keep and size < rec.size else None
+        digest = await trio.to_thread.run_sync(chunk_digest, tail) if tail else None
+
+        def apply(live):
+            live.drop_chunks_from(ino, -(-size // cs))
+            if tail is not None:
+                if digest:
+                    live.put_chunk(ino, size // cs, digest, tail)
+                else:
+                    live.drop_chunk(ino, size // cs)
+            now = live.now
+            live.setattr(ino, size=size, mtime_ns=now, ctime_ns=now)
+
+        await self.engine.mutate(apply)
+        of = self.engine.files.get(ino)
+        if of is not None:
+            of.size = size
+
+    # ---- creating names ------------------------------------------------------------------
+
+    def _check_new_name(self, parent: int, name: bytes) -> None:
+        self._writable(parent)
+        if parent == S.ROOT_INO and name == SNAPDIR_NAME:
+            raise FsError(errno.EEXIST)
+
+    async def _make(self, parent, name, mode, ctx, rdev=0, target=b""):
+        self._check_new_name(parent, name)
+        ino, rec = await self.engine.mutate(
+            lambda live: live.create(parent, name, mode, ctx.uid, ctx.gid, rdev, target))
+        self._counted(ino)
+        return self._attrs(ino, rec, live=True)
+
+    @guard
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        return await self._make(parent_inode, name, mode, ctx, rdev=rdev)
+
+    @guard
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return await self._make(parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx)
+
+    @guard
+    async def symlink(self, parent_inode, name, target, ctx):
+        return await self._make(parent_inode, name, stat.S_IFLNK | 0o777, ctx, target=target)
+
+    @guard
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        attrs = await self._make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx)
+        return self._open_live(attrs.st_ino, 0), attrs
+
+    @guard
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        self._writable(inode)
+        self._check_new_name(new_parent_inode, new_name)
+        rec = await self.engine.mutate(lambda live: live.link(inode, new_parent_inode, new_name))
+        self._counted(inode)
+        return self._attrs(inode, rec, live=True)
+
+    @guard
+    async def readlink(self, inode, ctx):
+        epoch, real = self._where(inode)
+        with self.engine.view(epoch) as v:
+            rec = v.get(real)
+        if not stat.S_ISLNK(rec.mode):
+            raise FsError(errno.EINVAL)
+        return rec.target
+
+    # ---- removing names ------------------------------------------------------------------
+
+    def _unlinked(self, live, freed) -> None:
+        """Inodes whose last link went away: delete now, or when the kernel forgets them."""
+        for ino, rec in freed:
+            if rec.nlink > 0:
+                continue
+            if self._is_open(ino):
+                live.add_orphan(ino)
+            else:
+                live.destroy(ino)
+
+    @guard
+    async def unlink(self, parent_inode, name, ctx):
+        self._writable(parent_inode)
+        await self.engine.mutate(lambda live: self._unlinked(live, [live.unlink(parent_inode, name)]))
+        self.engine.wake_gc()
+
+    @guard
+    async def rmdir(self, parent_inode, name, ctx):
+        self._writable(parent_inode)
+        await self.engine.mutate(lambda live: self._unlinked(live, [live.rmdir(parent_inode, name)]))
+
+    @guard
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        self._writable(parent_inode_old)
+        self._writable(parent_inode_new)
+        if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
+            raise FsError(errno.EINVAL)
+        if SNAPDIR_NAME in (name_old, name_new) and S.ROOT_INO in (parent_inode_old,
+                                                                   parent_inode_new):
+            raise FsError(errno.EPERM)
+        noreplace = bool(flags & pyfuse3.RENAME_NOREPLACE)
+        exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
+        await self.engine.mutate(lambda live: self._unlinked(live, live.rename(
+            parent_inode_old, name_old, parent_inode_new, name_new, noreplace, exchange)))
+        self.engine.wake_gc()
+
+    # ---- files ---------------------------------------------------------------------------
+
+    def _new_fh(self, handle: Handle) -> int:
+        fh = self.next_fh
+        self.next_fh += 1
+        self.handles[fh] = handle
+        return fh
+
+    def _open_live(self, ino: int, size: int) -> pyfuse3.FileInfo:
+        of = self.engine.files.open(ino, size)
+        return pyfuse3.FileInfo(fh=self._new_fh(Handle(ino, of, None, ino, size)),
+                                keep_cache=False)
+
+    @guard
+    async def open(self, inode, flags, ctx):
+        writing = flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC)
+        epoch, real = self._where(inode)
+        if writing:
+            self._writable(inode)
+        with self.engine.view(epoch) as v:
+            rec = v.get(real)
+        if not stat.S_ISREG(rec.mode):
+            raise FsError(errno.EISDIR if stat.S_ISDIR(rec.mode) else errno.EINVAL)
+        if epoch is not None:
+            fh = self._new_fh(Handle(inode, None, epoch, real, rec.size))
+            return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        info = self._open_live(inode, rec.size)
+        if flags & os.O_TRUNC and rec.size:
+            of = self.handles[info.fh].of
+            await self.engine.files.flush(of)
+            await self._truncate(inode, 0)
+        return info
+
+    @guard
+    async def read(self, fh, off, size):
+        h = self.handles[fh]
+        if h.of is None:
+            with self.engine.view(h.epoch) as v:
+                return v.read(h.real, off, size, h.size)
+        return self._read_live(h.of, off, size)
+
+    def _read_live(self, of: OpenFile, off: int, size: int) -> bytes:
+        end = min(off + size, of.size)
+        if off >= end:
+            return b""
+        if not of.dirty:
+            with self.engine.view() as v:
+                return v.read(of.ino, off, end - off, of.size)
+        cs = self.engine.chunk_size
+        out = bytearray()
+        with self.engine.view() as v:
+            pos = off
+            while pos < end:
+                idx, within = divmod(pos, cs)
+                take = min(cs - within, end - pos)
+                data = self.engine.files.read(of, idx)
+                if data is None:
+                    out += v.read(of.ino, pos, take, of.size)
+                else:
+                    piece = data[within:within + take]
+                    out += piece + bytes(take - len(piece))
+                pos += take
+        return bytes(out)
+
+    @guard
+    async def write(self, fh, off, buf):
+        h = self.handles[fh]
+        if h.of is None:
+            raise FsError(errno.EROFS)
+        return await self.engine.files.write(h.of, off, buf)
+
+    @guard
+    async def flush(self, fh):
+        h = self.handles[fh]
+        if h.of is not None:
+            await self.engine.files.flush(h.of)
+
+    @guard
+    async def release(self, fh):
+        h = self.handles.pop(fh)
+        if h.of is not None:
+            try:
+                await self.engine.files.release(h.of)
+            finally:
+                if h.ino not in self.lookups:
+                    await self._reap(h.ino)
+
+    @guard
+    async def fsync(self, fh, datasync):
+        h = self.handles[fh]
+        if h.of is not None:
+            await self.engine.files.flush(h.of)
+            await self.engine.sync()
+
+    # ---- directories ---------------------------------------------------------------------
+
+    @guard
+    async def opendir(self, inode, ctx):
+        if inode != SNAPDIR_INO:
+            epoch, real = self._where(inode)
+            with self.engine.view(epoch) as v:
+                if not stat.S_ISDIR(v.get(real).mode):
+                    raise FsError(errno.ENOTDIR)
+        fh = self.next_fh
+        self.next_fh += 1
+        self.dirs[fh] = (inode, [])
+        return fh
+
+    def _listing(self, inode: int) -> list[tuple[bytes, int | None, int]]:
+        """(name, epoch, store inode) of every entry, frozen at the start of a readdir."""
+        if inode == SNAPDIR_INO:
+            return [(s.name.encode("utf-8", "surrogateescape"), s.epoch, S.ROOT_INO)
+                    for s in self.engine.list_snapshots()]
+        epoch, real = self._where(inode)
+        with self.engine.view(epoch) as v:
+            return [(name, epoch, child) for name, child in v.listdir(real)]
+
+    @guard
+    async def readdir(self, fh, start_id, token):
+        inode, entries = self.dirs[fh]
+        if start_id == 0 or not entries:
+            entries = self._listing(inode)
+            self.dirs[fh] = (inode, entries)
+        if start_id == 0:       # '.' and '..' carry no lookup count
+            dot = self._attrs_of(inode)
+            if not pyfuse3.readdir_reply(token, b".", dot, 1):
+                return
+            start_id = 1
+        if start_id == 1:
+            if not pyfuse3.readdir_reply(token, b"..", self._parent_attrs(inode), 2):
+                return
+            start_id = 2
+        for i in range(start_id - 2, len(entries)):
+            name, epoch, real = entries[i]
+            with self.engine.view(epoch) as v:
+                rec = v.inode(real)
+            if rec is None:
+                continue
+            kino = self._kernel_ino(epoch, real)
+            if not pyfuse3.readdir_reply(token, name, self._attrs(kino, rec, epoch is None),
+                                         i + 3):
+                break
+            self._counted(kino)
+
+    def _parent_attrs(self, inode: int) -> pyfuse3.EntryAttributes:
+        """Attributes for '..': the live parent, else the directory itself (a snapshot's
+        parents are not tracked; the kernel resolves '..' by its own dentries anyway)."""
+        if inode < VIRT_BASE:
+            with self.engine.view() as v:
+                parents = v.parents(inode)
+            if parents:
+                return self._attrs_of(parents[0])
+        return self._attrs_of(inode)
+
+    @guard
+    async def releasedir(self, fh):
+        self.dirs.pop(fh, None)
+
+    @guard
+    async def fsyncdir(self, fh, datasync):
+        await self.engine.sync()
+
+    # ---- extended attributes -------------------------------------------------------------
+
+    @guard
+    async def setxattr(self, inode, name, value, ctx):
+        self._writable(inode)
+        if name in ACL_XATTRS:
+            raise FsError(errno.EOPNOTSUPP)
+        await self.engine.mutate(lambda live: live.set_xattr(inode, name, value))
+
+    @guard
+    async def getxattr(self, inode, name, ctx):
+        if inode == SNAPDIR_INO:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        epoch, real = self._where(inode)
+        with self.engine.view(epoch) as v:
+            value = v.xattr(real, name)
+        if value is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return value
+
+    @guard
+    async def listxattr(self, inode, ctx):
+        if inode == SNAPDIR_INO:
+            return []
+        epoch, real = self._where(inode)
+        with self.engine.view(epoch) as v:
+            return v.xattr_names(real)
+
+    @guard
+    async def removexattr(self, inode, name, ctx):
+        self._writable(inode)
+        await self.engine.mutate(lambda live: live.remove_xattr(inode, name))
+
+    # ---- the filesystem ------------------------------------------------------------------
+
+    @guard
+    async def statfs(self, ctx):
+        used, free, total = self.engine.store.disk_usage()
+        bs = 4096
+        st = pyfuse3.StatvfsData()
+        st.f_bsize = st.f_frsize = bs
+        st.f_blocks = (used + free) // bs
+        st.f_bfree = st.f_bavail = free // bs
+        with self.engine.store.read() as txn:
+            files = txn.stat(self.engine.db["inodes"])["entries"]
+        st.f_files = files + free // bs
+        st.f_ffree = st.f_favail = free // bs
+        st.f_namemax = S.NAME_MAX
+        return st
+
+    async def access(self, inode, mode, ctx):
+        return True     # default_permissions: the kernel checks modes
+
+    # ---- used by the control server after a rollback or restore ----------------------------
+
+    async def invalidate(self, inodes, entries) -> None:
+        """Tell the kernel that entries and inodes changed behind its back."""
+        for parent, name in entries:
+            if parent in self.lookups or parent == S.ROOT_INO:
+                pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+        known = [ino for ino in inodes if ino in self.lookups]
+
+        def drop_caches():
+            for ino in known:
+                try:
+                    pyfuse3.invalidate_inode(ino, attr_only=False)
+                except OSError:
+                    pass
+        await trio.to_thread.run_sync(drop_caches)
+
+    def forget_snapshot(self, name: str) -> None:
+        pyfuse3.invalidate_entry_async(SNAPDIR_INO, name.encode("utf-8", "surrogateescape"),
+                                       ignore_enoent=True)
+
+
+

@@ -1,0 +1,193 @@
+"""The on-disk layout of a mountfs store: every LMDB sub-database, its keys and values.
+
+This is the one place that says how bytes are laid out; the rest of the code calls the
+helpers here rather than packing keys itself.
+
+Versioned records
+-----------------
+Inodes, directory entries, chunk-map leaves and xattrs are *versioned by epoch*. A logical
+record with base key ``B`` is stored as one LMDB key per version::
+
+    B + inv(epoch)            inv(e) = 2**64 - 1 - e, big-endian
+
+so the versions of one record sort newest first, and "the newest version at or below epoch
+E" is a single ``set_range(B + inv(E))``. An empty value is a *tombstone*: the record does not
+exist from that epoch on. Every base key is self-delimiting (fixed width, or a name ended by
+NUL, which names never contain), so no base key is a prefix of another record's version key.
+
+Sub-databases (``DB_*`` below)
+------------------------------
+meta      unversioned  b'format' -> u32 FORMAT_VERSION, b'chunk_size' -> u32,
+                       b'live_epoch' -> u64, b'next_ino' -> u64, b'next_snap_id' -> u64,
+                       b'uuid' -> 16 bytes (the store's identity)
+inodes    versioned    ino:u64 -> INODE struct + symlink target bytes
+dirents   versioned    parent:u64 + name + NUL -> child ino:u64
+chunks    versioned    ino:u64 + index:u64 -> digest:32 + length:u32   (chunk-map leaves)
+chunklog  unversioned  ino:u64 + epoch:u64 + index:u64 -> b''   (which chunks changed in
+                       which epoch: the chunk map's epoch index, see below)
+xattrs    versioned    ino:u64 + name + NUL -> b'\\x01' + value
+parents   unversioned  child:u64 + parent:u64 -> count:u32   (live tree only; used to
+                       propagate mepoch through every parent of a hard-linked inode)
+blobs     unversioned  digest:32 -> chunk bytes   (content-addressed, stored once)
+refs      unversioned  digest:32 -> count:u64    (number of chunk-map versions naming it)
+snaps     unversioned  name -> SNAP struct
+snapepochs unversioned epoch:u64 -> name
+orphans   unversioned  ino:u64 -> b''   (live inodes with nlink 0 still open by the kernel;
+                       deleted at the next mount if the process died)
+purge     unversioned  ino:u64 -> b''   (deleted inodes whose chunk map still has live
+                       versions to tombstone; worked off in the background)
+
+The chunk map's epoch index
+---------------------------
+DESIGN.md describes inner nodes of the chunk tree holding the newest epoch below them. We
+keep the same information as a secondary index ordered by epoch (``chunklog``): the chunks of
+a file changed in (FROM, TO] are one range scan ``ino + FROM+1 .. ino + TO``, whose cost is the
+number of changes, not the file's size nor even its depth in a tree.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, replace
+
+FORMAT_VERSION = 1
+MAX_EPOCH = 2**64 - 1
+ROOT_INO = 1
+DIGEST_SIZE = 32
+NAME_MAX = 255
+
+DB_NAMES = (
+    "meta", "inodes", "dirents", "chunks", "chunklog", "xattrs", "parents",
+    "blobs", "refs", "snaps", "snapepochs", "orphans", "purge",
+)
+VERSIONED_DBS = ("inodes", "dirents", "chunks", "xattrs")
+
+U64 = struct.Struct(">Q")
+U32 = struct.Struct(">I")
+TOMBSTONE = b""
+
+
+def u64(n: int) -> bytes:
+    return U64.pack(n)
+
+
+def from_u64(b: bytes) -> int:
+    return U64.unpack(bytes(b[:8]))[0]
+
+
+def inv(epoch: int) -> bytes:
+    """Epoch suffix of a version key; newer epochs sort first."""
+    return U64.pack(MAX_EPOCH - epoch)
+
+
+def epoch_of_key(key: bytes) -> int:
+    return MAX_EPOCH - U64.unpack(bytes(key[-8:]))[0]
+
+
+# ---- base keys of versioned records -------------------------------------------------------
+
+def inode_key(ino: int) -> bytes:
+    return U64.pack(ino)
+
+
+def dirent_key(parent: int, name: bytes) -> bytes:
+    return U64.pack(parent) + name + b"\0"
+
+
+def dirent_prefix(parent: int) -> bytes:
+    return U64.pack(parent)
+
+
+def name_of_dirent_key(base: bytes) -> bytes:
+    return bytes(base[8:-1])
+
+
+def chunk_key(ino: int, index: int) -> bytes:
+    return U64.pack(ino) + U64.pack(index)
+
+
+def xattr_key(ino: int, name: bytes) -> bytes:
+    return U64.pack(ino) + name + b"\0"
+
+
+def base_of(db: str, key: bytes) -> bytes:
+    """The base key of a version key of a versioned db."""
+    return bytes(key[:-8])
+
+
+# ---- unversioned keys ---------------------------------------------------------------------
+
+def chunklog_key(ino: int, epoch: int, index: int) -> bytes:
+    return U64.pack(ino) + U64.pack(epoch) + U64.pack(index)
+
+
+def parents_key(child: int, parent: int) -> bytes:
+    return U64.pack(child) + U64.pack(parent)
+
+
+# ---- values -------------------------------------------------------------------------------
+
+_INODE = struct.Struct("<IIIIQqqqQQ")
+
+
+@dataclass(frozen=True, slots=True)
+class Inode:
+    """One version of an inode record. ``mepoch`` is the newest epoch in which this inode or
+    anything below it changed; ``target`` is the symlink target (empty otherwise)."""
+
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    rdev: int
+    mepoch: int
+    target: bytes = b""
+
+    def pack(self) -> bytes:
+        return _INODE.pack(self.mode, self.uid, self.gid, self.nlink, self.size,
+                           self.atime_ns, self.mtime_ns, self.ctime_ns, self.rdev,
+                           self.mepoch) + self.target
+
+    @classmethod
+    def unpack(cls, b: bytes) -> "Inode":
+        b = bytes(b)
+        return cls(*_INODE.unpack_from(b), target=b[_INODE.size:])
+
+    def evolve(self, **kw) -> "Inode":
+        return replace(self, **kw)
+
+
+def pack_chunk(digest: bytes, length: int) -> bytes:
+    return bytes(digest) + U32.pack(length)
+
+
+def unpack_chunk(b: bytes) -> tuple[bytes, int]:
+    b = bytes(b)
+    return b[:DIGEST_SIZE], U32.unpack_from(b, DIGEST_SIZE)[0]
+
+
+_SNAP = struct.Struct("<QQQ16s")
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A snapshot: the state at the end of ``epoch``. ``snap_id`` is a store-unique number,
+    ``uuid`` identifies it across stores (a mirror keeps the same uuid)."""
+
+    name: str
+    epoch: int
+    created_ns: int
+    snap_id: int
+    uuid: bytes
+
+    def pack(self) -> bytes:
+        return _SNAP.pack(self.epoch, self.created_ns, self.snap_id, self.uuid)
+
+    @classmethod
+    def unpack(cls, name: bytes, b: bytes) -> "Snapshot":
+        epoch, created, snap_id, uid = _SNAP.unpack(bytes(b))
+        return cls(bytes(name).decode("utf-8", "surrogateescape"), epoch, created, snap_id, uid)

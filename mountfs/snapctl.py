@@ -1,0 +1,227 @@
+"""``snapctl``: snapshots of a mountfs filesystem.
+
+It finds the filesystem from ``-m MOUNTPOINT``, else from the mount holding the current
+directory, and talks to the mount process through its control socket. ``--store STORE``
+names a store directly; if it is not mounted, snapctl works on it offline, under the store
+lock (so it can never race a mount).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import sys
+
+import click
+
+from . import control
+from .mount import find_mount
+from .store import StoreError
+
+
+class Target:
+    """Where snapshot requests go: a running mount (control socket) or an offline store."""
+
+    def __init__(self, store: str, mountpoint: str | None):
+        self.store = store
+        self.mountpoint = mountpoint
+
+    @property
+    def mounted(self) -> bool:
+        return control.socket_path(self.store).exists() and self._answers()
+
+    def _answers(self) -> bool:
+        try:
+            control.request(self.store, {"op": "status"}, timeout=10)
+            return True
+        except control.ControlError:
+            return False
+
+    def fs_path(self, path: str) -> str:
+        """A path relative to the filesystem root; absolute paths under the mountpoint are
+        accepted too."""
+        if self.mountpoint and os.path.isabs(path):
+            mp = self.mountpoint.rstrip("/")
+            if path == mp or path.startswith(mp + "/"):
+                return path[len(mp):].lstrip("/") or "."
+        return path.lstrip("/") or "."
+
+
+def resolve_target(mountpoint: str | None, store: str | None) -> Target:
+    if store:
+        return Target(os.path.abspath(store), mountpoint)
+    where = mountpoint or os.getcwd()
+    info = find_mount(where)
+    if info is None:
+        raise StoreError(f"{where} is not in a mountfs filesystem; use -m MOUNTPOINT or "
+                         f"--store STORE")
+    return Target(info.store, info.mountpoint)
+
+
+def syncfs(path: str) -> None:
+    """Push the kernel's cached writes for the filesystem at ``path`` to the mount."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        ctypes.CDLL(None, use_errno=True).syncfs(fd)
+    finally:
+        os.close(fd)
+
+
+def fail(msg: str, code: int = 1):
+    click.echo(f"snapctl: {msg}", err=True)
+    sys.exit(code)
+
+
+def run(target: Target, request: dict, offline) -> dict:
+    """Send ``request`` to the mount, or run ``offline(store)`` on the unmounted store."""
+    if target.mounted:
+        return control.request(target.store, request)
+    from .store import Store
+    store = Store.open(target.store, holder="snapctl")
+    try:
+        return offline(store)
+    finally:
+        store.close()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-m", "--mountpoint", type=click.Path(), help="The mounted filesystem.")
+@click.option("--store", type=click.Path(), help="A store directory (mounted or not).")
+@click.pass_context
+def main(ctx, mountpoint, store):
+    """Create, list, delete and restore snapshots of a mountfs filesystem.
+
+    Snapshots are O(1) and browsable read-only at MOUNTPOINT/.snapshot/NAME."""
+    ctx.obj = {"mountpoint": mountpoint, "store": store}
+
+
+def _target(ctx) -> Target:
+    try:
+        return resolve_target(ctx.obj["mountpoint"], ctx.obj["store"])
+    except StoreError as e:
+        fail(str(e))
+
+
+@main.command()
+@click.argument("name")
+@click.pass_context
+def create(ctx, name):
+    """Take snapshot NAME of the live tree (everything written before it returns)."""
+    from . import snapshots as snaps
+    target = _target(ctx)
+    try:
+        snaps.validate_name(name)
+        if target.mountpoint:
+            syncfs(target.mountpoint)
+
+        def offline(store):
+            with store.write() as txn:
+                return {"snapshot": control.snapshot_json(snaps.create(txn, store.db, name))}
+        reply = run(target, {"op": "create", "name": name}, offline)
+    except StoreError as e:
+        fail(str(e))
+    snap = reply["snapshot"]
+    click.echo(f"created snapshot {snap['name']} (epoch {snap['epoch']})")
+
+
+@main.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_context
+def list_(ctx, as_json):
+    """List snapshots, oldest first."""
+    from . import snapshots as snaps
+    target = _target(ctx)
+
+    def offline(store):
+        with store.read() as txn:
+            return {"snapshots": [control.snapshot_json(s) for s in snaps.list_all(txn, store.db)]}
+    try:
+        items = run(target, {"op": "list"}, offline)["snapshots"]
+    except StoreError as e:
+        fail(str(e))
+    if as_json:
+        for s in items:
+            click.echo(json.dumps(s))
+        return
+    if not items:
+        click.echo("no snapshots")
+        return
+    click.echo(f"{'NAME':<32} {'EPOCH':>8}  CREATED")
+    for s in items:
+        created = datetime.datetime.fromtimestamp(s["created_ns"] / 1e9).isoformat(
+            sep=" ", timespec="seconds")
+        click.echo(f"{s['name']:<32} {s['epoch']:>8}  {created}")
+
+
+@main.command()
+@click.argument("name")
+@click.pass_context
+def delete(ctx, name):
+    """Delete snapshot NAME; its space is reclaimed in the background."""
+    from . import gc
+    from . import snapshots as snaps
+    target = _target(ctx)
+
+    def offline(store):
+        with store.write() as txn:
+            snaps.delete(txn, store.db, name)
+        gc.run_to_completion(store)
+        return {}
+    try:
+        run(target, {"op": "delete", "name": name}, offline)
+    except StoreError as e:
+        fail(str(e))
+    click.echo(f"deleted snapshot {name}")
+
+
+@main.command()
+@click.argument("name")
+@click.argument("path", required=False)
+@click.option("--to", "dest", help="Restore PATH under this path instead of over itself.")
+@click.option("--force", is_flag=True,
+              help="Replace an existing destination, or discard live changes on a rollback.")
+@click.pass_context
+def restore(ctx, name, path, dest, force):
+    """Roll the live tree back to snapshot NAME, or bring back PATH from it.
+
+    \b
+    snapctl restore daily                      roll the whole tree back
+    snapctl restore daily docs/report.txt      bring one file (or tree) back in place
+    snapctl restore daily docs --to docs.old   bring it back under another name
+
+    Metadata is re-pointed; no chunk data is copied. PATH and DEST are relative to the
+    filesystem root (absolute paths under the mountpoint work too)."""
+    from . import snapshots as snaps
+    target = _target(ctx)
+    if dest and not path:
+        fail("--to needs a PATH to restore")
+    try:
+        if path is None:
+            def offline(store):
+                with store.write() as txn:
+                    snap = snaps.get(txn, store.db, name)
+                    done = snaps.rollback(txn, store.db, store.chunk_size, snap, force)
+                return {"changed_inodes": len(done.inodes)}
+            reply = run(target, {"op": "rollback", "name": name, "force": force}, offline)
+            click.echo(f"rolled back to {name} ({reply['changed_inodes']} inodes changed)")
+            return
+        src = target.fs_path(path)
+        to = target.fs_path(dest) if dest else src
+
+        def offline(store):
+            with store.write() as txn:
+                snap = snaps.get(txn, store.db, name)
+                top, copied, _ = snaps.restore_path(txn, store.db, store.chunk_size, snap,
+                                                    src, to, force)
+            return {"copied": copied}
+        reply = run(target, {"op": "restore", "name": name, "path": src, "dest": to,
+                             "force": force}, offline)
+    except StoreError as e:
+        fail(str(e))
+    click.echo(f"restored ./{src} from {name} to ./{to} ({reply['copied']} inodes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Snapshots on one write transaction: create (O(1): the live epoch becomes the snapshot's
+and the live epoch moves on), list, delete (O(1); the versions only it could see are
+reclaimed later by gc.py), roll the live tree back, and restore one path as a copy.
+
+These functions are used by the mount's control server and by snapctl on an unmounted store.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+import uuid as uuidlib
+from dataclasses import dataclass, field
+
+from . import schema as S
+from .namespace import FsError, Live, View
+from .store import StoreError, delete_live, get_version, put_live
+
+
+class SnapshotError(StoreError):
+    """A user-facing snapshot error (bad name, unknown snapshot, existing target)."""
+
+
+def validate_name(name: str) -> bytes:
+    raw = name.encode("utf-8", "surrogateescape")
+    if not raw:
+        raise SnapshotError("snapshot name must not be empty")
+    if b"/" in raw or b"\0" in raw:
+        raise SnapshotError(f"snapshot name {name!r} must not contain '/' or NUL")
+    if raw in (b".", b".."):
+        raise SnapshotError(f"snapshot name {name!r} is reserved")
+    if len(raw) > S.NAME_MAX:
+        raise SnapshotError(f"snapshot name is {len(raw)} bytes long; the limit is {S.NAME_MAX}")
+    return raw
+
+
+def live_epoch(txn, dbs) -> int:
+    return S.from_u64(txn.get(b"live_epoch", db=dbs["meta"]))
+
+
+def create(txn, dbs, name: str, snap_uuid: bytes | None = None) -> S.Snapshot:
+    raw = validate_name(name)
+    if txn.get(raw, db=dbs["snaps"]) is not None:
+        raise SnapshotError(f"a snapshot named {name!r} already exists")
+    meta = dbs["meta"]
+    epoch = live_epoch(txn, dbs)
+    snap_id = S.from_u64(txn.get(b"next_snap_id", db=meta))
+    snap = S.Snapshot(name, epoch, time.time_ns(), snap_id, snap_uuid or uuidlib.uuid4().bytes)
+    txn.put(raw, snap.pack(), db=dbs["snaps"])
+    txn.put(S.u64(epoch), raw, db=dbs["snapepochs"])
+    txn.put(b"next_snap_id", S.u64(snap_id + 1), db=meta)
+    txn.put(b"live_epoch", S.u64(epoch + 1), db=meta)
+    return snap
+
+
+def list_all(txn, dbs) -> list[S.Snapshot]:
+    out = []
+    for epoch_key, name in txn.cursor(db=dbs["snapepochs"]):
+        out.append(S.Snapshot.unpack(name, txn.get(bytes(name), db=dbs["snaps"])))
+    return out
+
+
+def get(txn, dbs, name: str) -> S.Snapshot:
+    raw = name.encode("utf-8", "surrogateescape")
+    val = txn.get(raw, db=dbs["snaps"]) if raw and len(raw) <= 511 else None
+    if val is None:
+        raise SnapshotError(f"no snapshot named {name!r}")
+    return S.Snapshot.unpack(raw, val)
+
+
+def retained_epochs(txn, dbs) -> list[int]:
+    """Epochs whose state must stay readable: every snapshot's and the live one."""
+    epochs = [S.from_u64(k) for k, _ in txn.cursor(db=dbs["snapepochs"])]
+    return epochs + [live_epoch(txn, dbs)]
+
+
+def delete(txn, dbs, name: str) -> S.Snapshot:
+    snap = get(txn, dbs, name)
+    txn.delete(snap.name.encode("utf-8", "surrogateescape"), db=dbs["snaps"])
+    txn.delete(S.u64(snap.epoch), db=dbs["snapepochs"])
+    token = txn.get(b"gc_pending", db=dbs["meta"])
+    txn.put(b"gc_pending", S.u64(S.from_u64(token) + 1 if token else 1), db=dbs["meta"])
+    return snap
+
+
+# ---- rollback of the whole tree ---------------------------------------------------------------
+
+@dataclass
+class Rollback:
+    """What a rollback changed, so the mount can tell the kernel."""
+    inodes: set[int] = field(default_factory=set)
+    entries: set[tuple[int, bytes]] = field(default_factory=set)
+
+
+def rollback(txn, dbs, chunk_size: int, snap: S.Snapshot, force: bool = False) -> Rollback:
+    """Make the live tree equal to ``snap`` by writing, in the live epoch, the snapshot's
+    version of every record changed since. Inode identities are kept (a mirror stays
+    comparable item by item) and no chunk data is copied: chunk references are re-pointed.
+    Without ``force``, refuses when the live tree changed since (the root's mepoch says so in
+    O(1)), since those changes would be lost."""
+    live = Live(txn, dbs, live_epoch(txn, dbs), chunk_size)
+    if not force and live.get(S.ROOT_INO).mepoch > snap.epoch:
+        raise SnapshotError(f"the live tree has changed since snapshot {snap.name!r}; pass "
+                            f"--force to discard those changes (take a snapshot first to "
+                            f"keep them)")
+    done = Rollback()
+    for dbname in S.VERSIONED_DBS:
+        for base, old, new in _changed_since(txn, dbs[dbname], snap.epoch):
+            _restore_record(live, dbname, base, old, new, done)
+    for ino in sorted(done.inodes):
+        if live.inode(ino) is not None:
+            live.touch(ino)
+            txn.delete(S.u64(ino), db=dbs["purge"])
+            txn.delete(S.u64(ino), db=dbs["orphans"])
+    return done
+
+
+def _changed_since(txn, db, epoch: int):
+    """(base, live value or None, value at ``epoch`` or None) for every record with a version
+    newer than ``epoch`` whose visible value differs."""
+    cur = txn.cursor(db)
+    if not cur.first():
+        return
+    while True:
+        key = bytes(cur.key())
+        base = key[:-8]
+        if S.epoch_of_key(key) > epoch:
+            now = bytes(cur.value()) or None
+            then = get_version(txn, db, base, epoch)
+            then = (bytes(then[1]) or None) if then is not None else None
+            if now != then:
+                yield base, now, then
+        if not cur.set_range(base + b"\xff" * 8):
+            return
+
+
+def _restore_record(live: Live, dbname: str, base: bytes, now, then, done: Rollback) -> None:
+    txn, db, L = live.txn, live.db[dbname], live.live
+    if dbname == "inodes":
+        ino = S.from_u64(base)
+        if then is None:
+            delete_live(txn, db, base, L)
+        else:
+            put_live(txn, db, base, S.Inode.unpack(then).evolve(mepoch=L).pack(), L)
+        done.inodes.add(ino)
+    elif dbname == "dirents":
+        parent = S.from_u64(base[:8])
+        if now is not None:
+            live.add_parent(S.from_u64(now), parent, -1)
+        if then is None:
+            delete_live(txn, db, base, L)
+        else:
+            put_live(txn, db, base, then, L)
+            live.add_parent(S.from_u64(then), parent, 1)
+        done.inodes.add(parent)
+        done.entries.add((parent, S.name_of_dirent_key(base)))
+    elif dbname == "chunks":
+        ino, index = S.from_u64(base[:8]), S.from_u64(base[8:16])
+        if then is None:
+            live.drop_chunk(ino, index)
+        else:
+            digest, _ = S.unpack_chunk(then)
+            live.incref(digest)
+            old = put_live(txn, db, base, then, L)
+            txn.put(S.chunklog_key(ino, L, index), b"", db=live.db["chunklog"])
+            if old:
+                live.decref(S.unpack_chunk(old)[0])
+        done.inodes.add(ino)
+    else:  # xattrs
+        if then is None:
+            delete_live(txn, db, base, L)
+        else:
+            put_live(txn, db, base, then, L)
+        done.inodes.add(S.from_u64(base[:8]))
+
+
+# ---- restore of one path as a copy -------------------------------------------------------------
+
+def restore_path(txn, dbs, chunk_size: int, snap: S.Snapshot, path: str, dest: str,
+                 force: bool, is_open=lambda ino: False) -> tuple[int, int, list[int]]:
+    """Copy ``path`` as it was in ``snap`` to ``dest`` in the live tree: new inodes (hard
+    links inside the tree are kept), the same chunk data by reference. An existing ``dest``
+    is replaced only with ``force``. Returns (new top inode, inodes copied, inodes whose
+    last link went away while ``is_open``, i.e. orphans the caller must track)."""
+    view = View(txn, dbs, snap.epoch, chunk_size)
+    live = Live(txn, dbs, live_epoch(txn, dbs), chunk_size)
+    try:
+        src = view.resolve(path)
+    except FsError:
+        raise SnapshotError(f"{path!r} does not exist in snapshot {snap.name!r}") from None
+    parent_path, _, name = os.path.normpath("/" + dest).rpartition("/")
+    if not name:
+        raise SnapshotError("cannot restore over the root by path; use 'snapctl restore NAME' "
+                            "to roll the whole tree back")
+    try:
+        parent = live.resolve(parent_path)
+    except FsError:
+        raise SnapshotError(f"the parent directory of {dest!r} does not exist") from None
+    if not stat.S_ISDIR(live.get(parent).mode):
+        raise SnapshotError(f"the parent of {dest!r} is not a directory")
+    bname = name.encode("utf-8", "surrogateescape")
+    orphans: list[int] = []
+    if live.lookup(parent, bname) is not None:
+        if not force:
+            raise SnapshotError(f"{dest!r} exists; pass --force to replace it")
+        if live.is_ancestor(live.lookup(parent, bname), parent):
+            raise SnapshotError(f"{dest!r} contains the restore target's parent")
+        orphans = remove_tree(live, parent, bname, is_open)
+    copied = {}
+    top = _copy(view, src, live, parent, bname, copied)
+    return top, len(copied), orphans
+
+
+def _copy(view: View, src: int, live: Live, parent: int, name: bytes, copied: dict) -> int:
+    if src in copied:                                   # a hard link inside the tree
+        live.add_entry(parent, name, copied[src])
+        return copied[src]
+    rec = view.get(src)
+    ino = live.clone(rec)
+    copied[src] = ino
+    for xname, value in view.xattrs(src).items():
+        put_live(live.txn, live.db["xattrs"], S.xattr_key(ino, xname), b"\x01" + value,
+                 live.live)
+    if stat.S_ISREG(rec.mode):
+        for idx in view.chunk_indices(src):
+            digest, length = view.chunk(src, idx)
+            live.incref(digest)
+            put_live(live.txn, live.db["chunks"], S.chunk_key(ino, idx),
+                     S.pack_chunk(digest, length), live.live)
+            live.txn.put(S.chunklog_key(ino, live.live, idx), b"", db=live.db["chunklog"])
+    live.add_entry(parent, name, ino)
+    if stat.S_ISDIR(rec.mode):
+        for child_name, child in list(view.listdir(src)):
+            _copy(view, child, live, ino, child_name, copied)
+    return ino
+
+
+def remove_tree(live: Live, parent: int, name: bytes, is_open) -> list[int]:
+    """Unlink parent/name and everything below it. Inodes left without links are destroyed,
+    or returned as orphans when ``is_open`` says the kernel still holds them."""
+    orphans = []
+    child = live.lookup(parent, name)
+    if stat.S_ISDIR(live.get(child).mode):
+        for sub, _ in list(live.listdir(child)):
+            orphans += remove_tree(live, child, sub, is_open)
+    ino, rec = live.remove_entry(parent, name)
+    if rec.nlink == 0:
+        if is_open(ino):
+            live.add_orphan(ino)
+            orphans.append(ino)
+        else:
+            live.destroy(ino)
+    return orphans
+
+
+__all__ = ["SnapshotError", "validate_name", "create", "list_all", "get", "delete", "rollback",
+           "restore_path", "remove_tree", "retained_epochs", "Rollback"]

@@ -1,0 +1,307 @@
+"""The LMDB environment of a store: creating, opening, locking, transactions, and the
+primitive operations on versioned records (see schema.py for the layout).
+
+A store is a directory holding ``data.mdb`` (LMDB), ``lock`` (an flock held by the one
+process that may write: a mount, or snapctl/fsck working offline) and, while mounted,
+``control.sock``.
+
+Durability: transactions commit without fsync (microseconds, so they can run on the trio
+thread); ``sync()`` makes everything committed so far durable and is called on fsync(), after a
+snapshot, on unmount, and every second by the mount's syncer. A killed process loses nothing
+that was committed: committed pages are in the kernel's page cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import uuid as uuidlib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import lmdb
+
+from . import schema as S
+
+MAP_SIZE = 1 << 40          # address space only; the file grows with the data
+DEFAULT_CHUNK_SIZE = 1 << 20
+MIN_CHUNK_SIZE = 4096
+MAX_CHUNK_SIZE = 64 << 20
+
+
+class StoreError(Exception):
+    """A user-facing error about a store: printed as one line, exit status 1."""
+
+
+class StoreFull(StoreError):
+    """The disk under the store is full (ENOSPC reaches the writer)."""
+
+
+def _data_file(path: Path) -> Path:
+    return path / "data.mdb"
+
+
+class Store:
+    """An open store. Only the process holding the lock writes; any number may read."""
+
+    def __init__(self, path: Path, env: lmdb.Environment, lockfd: int | None, readonly: bool):
+        self.path = path
+        self.env = env
+        self.lockfd = lockfd
+        self.readonly = readonly
+        self.db = {name: env.open_db(name.encode(), create=False) for name in S.DB_NAMES}
+        with env.begin() as txn:
+            self.chunk_size = S.U32.unpack(txn.get(b"chunk_size", db=self.db["meta"]))[0]
+            self.uuid = bytes(txn.get(b"uuid", db=self.db["meta"]))
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    @staticmethod
+    def mkfs(path: str | os.PathLike, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        """Create an empty store with a root directory owned by the caller."""
+        from .namespace import make_root  # the namespace module owns inode semantics
+
+        path = Path(path)
+        if chunk_size < MIN_CHUNK_SIZE or chunk_size > MAX_CHUNK_SIZE or chunk_size & (chunk_size - 1):
+            raise StoreError(f"chunk size {chunk_size} must be a power of two between "
+                             f"{MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE} bytes")
+        if path.exists() and not path.is_dir():
+            raise StoreError(f"{path} exists and is not a directory")
+        if path.exists() and any(path.iterdir()):
+            raise StoreError(f"{path} is not empty; refusing to create a store over it")
+        path.mkdir(parents=True, exist_ok=True)
+        os.chmod(path, 0o700)
+        env = _open_env(path, readonly=False, create=True)
+        try:
+            with env.begin(write=True) as txn:
+                dbs = {n: env.open_db(n.encode(), txn=txn, create=True) for n in S.DB_NAMES}
+                meta = dbs["meta"]
+                txn.put(b"format", S.U32.pack(S.FORMAT_VERSION), db=meta)
+                txn.put(b"chunk_size", S.U32.pack(chunk_size), db=meta)
+                txn.put(b"live_epoch", S.u64(1), db=meta)
+                txn.put(b"next_ino", S.u64(S.ROOT_INO + 1), db=meta)
+                txn.put(b"next_snap_id", S.u64(1), db=meta)
+                txn.put(b"uuid", uuidlib.uuid4().bytes, db=meta)
+                make_root(txn, dbs, os.getuid(), os.getgid())
+            env.sync(True)
+        finally:
+            env.close()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, readonly: bool = False, lock: bool = True,
+             holder: str = "") -> "Store":
+        """Open an existing store. With ``lock``, take the exclusive store lock (a second
+        writer gets a clear StoreError naming the holder)."""
+        path = Path(path).absolute()
+        if not path.is_dir():
+            raise StoreError(f"{path}: no such store directory")
+        if not _data_file(path).exists():
+            raise StoreError(f"{path} is not a mountfs store (no data.mdb); create one with "
+                             f"'mountfs mkfs {path}'")
+        lockfd = _take_lock(path, holder) if lock else None
+        try:
+            env = _open_env(path, readonly=readonly, create=False)
+            _check_format(env, path)
+            return cls(path, env, lockfd, readonly)
+        except BaseException:
+            if lockfd is not None:
+                os.close(lockfd)
+            raise
+
+    def close(self) -> None:
+        if not self.readonly:
+            self.env.sync(True)
+        self.env.close()
+        if self.lockfd is not None:
+            os.close(self.lockfd)
+            self.lockfd = None
+
+    def sync(self) -> None:
+        """Make every committed transaction durable (fdatasync). Safe from any thread."""
+        self.env.sync(True)
+
+    # ---- transactions --------------------------------------------------------------------
+
+    @contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        with self.env.begin(buffers=True) as txn:
+            yield txn
+
+    @contextmanager
+    def write(self) -> Iterator[lmdb.Transaction]:
+        """A write transaction; ENOSPC / map-full become StoreFull and nothing is committed."""
+        if self.readonly:
+            raise StoreError("store is open read-only")
+        try:
+            with self.env.begin(write=True, buffers=True) as txn:
+                yield txn
+        except lmdb.MapFullError as e:
+            raise StoreFull("store map is full") from e
+        except lmdb.Error as e:
+            if "No space left" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
+                raise StoreFull("no space left on the store's disk") from e
+            raise
+
+    def live_epoch(self, txn) -> int:
+        return S.from_u64(txn.get(b"live_epoch", db=self.db["meta"]))
+
+    def disk_usage(self) -> tuple[int, int, int]:
+        """(store bytes used, disk bytes free, disk bytes total) for statfs."""
+        st = os.statvfs(self.path)
+        used = self.env.info()["last_pgno"] * self.env.stat()["psize"]
+        return used, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _open_env(path: Path, readonly: bool, create: bool) -> lmdb.Environment:
+    try:
+        return lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=len(S.DB_NAMES) + 2,
+                         readonly=readonly, create=create, sync=False, metasync=False,
+                         readahead=False, max_readers=1024, lock=True)
+    except lmdb.Error as e:
+        raise StoreError(f"{path}: cannot open store: {e}") from e
+
+
+def _check_format(env: lmdb.Environment, path: Path) -> None:
+    try:
+        with env.begin() as txn:
+            meta = env.open_db(b"meta", txn=txn, create=False)
+            raw = txn.get(b"format", db=meta)
+    except lmdb.Error:
+        raw = None
+    if raw is None:
+        env.close()
+        raise StoreError(f"{path} is not a mountfs store (no format record)")
+    version = S.U32.unpack(raw)[0]
+    if version != S.FORMAT_VERSION:
+        env.close()
+        raise StoreError(f"{path}: store format version {version} is not supported by this "
+                         f"mountfs (which reads version {S.FORMAT_VERSION})")
+
+
+def _take_lock(path: Path, holder: str) -> int:
+    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        who = Path(path / "lock").read_text().strip() or "another process"
+        os.close(fd)
+        raise StoreError(f"{path} is in use ({who}); a store has only one writer at a time")
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()}{' ' + holder if holder else ''}\n".encode())
+    return fd
+
+
+def lock_holder(path: str | os.PathLike) -> str | None:
+    """Who holds the store lock ('pid N ...'), or None if it is free."""
+    lockfile = Path(path) / "lock"
+    if not lockfile.exists():
+        return None
+    fd = os.open(lockfile, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return lockfile.read_text().strip()
+    finally:
+        os.close(fd)
+    return None
+
+
+# ---- versioned records ------------------------------------------------------------------
+
+def get_version(txn, db, base: bytes, epoch: int) -> tuple[int, bytes] | None:
+    """The newest version of ``base`` at or below ``epoch``: (its epoch, its value), where a
+    tombstone has value b''. None if no such version."""
+    cur = txn.cursor(db)
+    if not cur.set_range(base + S.inv(epoch)):
+        return None
+    key = bytes(cur.key())
+    if len(key) != len(base) + 8 or key[:len(base)] != base:
+        return None
+    return S.epoch_of_key(key), cur.value()
+
+
+def get_at(txn, db, base: bytes, epoch: int):
+    """The value of ``base`` visible at ``epoch``, or None (absent or deleted)."""
+    v = get_version(txn, db, base, epoch)
+    if v is None or len(v[1]) == 0:
+        return None
+    return v[1]
+
+
+def put_live(txn, db, base: bytes, value: bytes, live: int) -> bytes | None:
+    """Write ``value`` as the live version of ``base``: overwrites a version made in the live
+    epoch (returning the value it replaced, for reference counting), else adds a version."""
+    key = base + S.inv(live)
+    old = txn.get(key, db=db)
+    old = bytes(old) if old is not None else None
+    txn.put(key, value, db=db)
+    return old
+
+
+def delete_live(txn, db, base: bytes, live: int) -> tuple[bool, bytes | None]:
+    """Delete ``base`` in the live epoch. Returns (whether it existed, the value of a
+    live-epoch version key that was physically replaced or removed, if any)."""
+    key = base + S.inv(live)
+    cur = txn.cursor(db)
+    if not cur.set_range(key):
+        return False, None
+    k = bytes(cur.key())
+    if len(k) != len(key) or k[:len(base)] != base:
+        return False, None
+    value = bytes(cur.value())
+    if S.epoch_of_key(k) != live:
+        if not value:
+            return False, None
+        txn.put(key, S.TOMBSTONE, db=db)
+        return True, None
+    # A version made in the live epoch: remove it, and hide an older visible one if any.
+    existed = bool(value)
+    older_visible = cur.next() and bytes(cur.key()[:len(base)]) == base and \
+        len(cur.key()) == len(key) and len(cur.value()) > 0
+    if older_visible:
+        txn.put(key, S.TOMBSTONE, db=db)
+    else:
+        txn.delete(key, db=db)
+    return existed, value or None
+
+
+def iter_visible(txn, db, prefix: bytes, epoch: int, start: bytes | None = None):
+    """Yield (base, value) for every record under ``prefix`` visible at ``epoch``, in key
+    order, from base ``start`` on. Skips newer versions and tombstones in O(1) seeks each."""
+    cur = txn.cursor(db)
+    plen = len(prefix)
+    pos = start if start is not None else prefix
+    if not cur.set_range(pos):
+        return
+    while True:
+        key = bytes(cur.key())
+        if key[:plen] != prefix:
+            return
+        base = key[:-8]
+        if S.epoch_of_key(key) > epoch:
+            if not cur.set_range(base + S.inv(epoch)):
+                return
+            key = bytes(cur.key())
+            if key[:-8] != base:
+                continue          # no version at or below epoch: cursor is at the next base
+        value = cur.value()
+        if len(value):
+            yield base, value
+        if not cur.set_range(base + b"\xff" * 8):   # epoch 0 never exists: lands on next base
+            return
+
+
+def iter_versions(txn, db, base: bytes):
+    """All stored versions of ``base``, newest first: [(epoch, value)]."""
+    cur = txn.cursor(db)
+    out = []
+    if not cur.set_range(base):
+        return out
+    for key, value in cur:
+        key = bytes(key)
+        if len(key) != len(base) + 8 or key[:len(base)] != base:
+            break
+        out.append((S.epoch_of_key(key), bytes(value)))
+    return out

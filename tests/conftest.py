@@ -1,0 +1,154 @@
+"""Shared fixtures: stores, real FUSE mounts in their own processes, and the rule that every
+mount's store must pass fsck after the test.
+
+FUSE tests need /dev/fuse and fusermount3. Without them they fail when CI=true (CI must run
+them) and skip with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def fuse_missing() -> str | None:
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse is missing"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not installed (apt-get install fuse3)"
+    return None
+
+
+FUSE_FIXTURES = {"mounted", "make_mount"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that mount (through the fixtures below, or marked ``fuse``) need FUSE."""
+    fuse_items = [i for i in items
+                  if "fuse" in i.keywords or FUSE_FIXTURES & set(getattr(i, "fixturenames", ()))]
+    for item in fuse_items:
+        item.add_marker(pytest.mark.fuse)
+    reason = fuse_missing()
+    if reason is None or not fuse_items:
+        return
+    if IN_CI:
+        raise pytest.UsageError(f"CI=true but the FUSE tests cannot run: {reason}")
+    for item in fuse_items:
+        item.add_marker(pytest.mark.skip(reason=f"FUSE tests need FUSE: {reason}"))
+
+
+def cli(*args, check=True, input=None, env=None, timeout=120) -> subprocess.CompletedProcess:
+    """Run ``mountfs``/``snapctl`` as a user would (a separate process)."""
+    tool, *rest = args
+    module = {"mountfs": "mountfs.cli", "snapctl": "mountfs.snapctl"}[tool]
+    res = subprocess.run([sys.executable, "-m", module, *map(str, rest)], capture_output=True,
+                         text=True, input=input, env=env, timeout=timeout)
+    if check and res.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, args))} failed ({res.returncode}):\n"
+                             f"{res.stdout}{res.stderr}")
+    return res
+
+
+def fsck_clean(store: Path) -> None:
+    res = cli("mountfs", "fsck", "-q", store, check=False)
+    assert res.returncode == 0, f"fsck found problems:\n{res.stdout}{res.stderr}"
+
+
+class Mount:
+    """A store mounted for real by a background ``mountfs mount`` process."""
+
+    def __init__(self, store: Path, mnt: Path, extra=()):
+        self.store = store
+        self.mnt = mnt
+        self.extra = list(extra)
+
+    def mount(self) -> "Mount":
+        cli("mountfs", "mount", self.store, self.mnt, *self.extra)
+        return self
+
+    @property
+    def pid(self) -> int:
+        return int((self.store / "lock").read_text().split()[1])
+
+    def is_mounted(self) -> bool:
+        return os.path.ismount(self.mnt) or self._dead_mount()
+
+    def _dead_mount(self) -> bool:
+        try:
+            os.stat(self.mnt)
+        except OSError:
+            return True
+        return False
+
+    def umount(self) -> None:
+        cli("mountfs", "umount", self.mnt)
+
+    def kill9(self) -> None:
+        """Kill the mount process as a crash would, and detach the dead mount."""
+        pid = self.pid
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(200):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.02)
+        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+
+    def snapctl(self, *args, check=True):
+        return cli("snapctl", "-m", self.mnt, *args, check=check)
+
+    def cleanup(self) -> None:
+        if self.is_mounted():
+            try:
+                self.umount()
+            except AssertionError:
+                subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+                time.sleep(0.5)
+
+
+@pytest.fixture
+def store(tmp_path) -> Path:
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    return path
+
+
+@pytest.fixture
+def make_mount(tmp_path):
+    """Factory: make_mount(store=None, *extra_options) -> Mount. Every mount is unmounted
+    after the test and its store must then pass fsck."""
+    made: list[Mount] = []
+
+    def factory(store: Path | None = None, *extra, fsck=True, chunk_size=None) -> Mount:
+        n = len(made)
+        if store is None:
+            store = tmp_path / f"store{n}"
+            cli("mountfs", "mkfs", store, *(["--chunk-size", chunk_size] if chunk_size else []))
+        mnt = tmp_path / f"mnt{n}"
+        mnt.mkdir(exist_ok=True)
+        m = Mount(store, mnt, extra).mount()
+        m.check_fsck = fsck
+        made.append(m)
+        return m
+
+    yield factory
+    for m in made:
+        m.cleanup()
+    for m in made:
+        if m.check_fsck:
+            fsck_clean(m.store)
+
+
+@pytest.fixture
+def mounted(make_mount) -> Mount:
+    return make_mount()
