@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up everything mountfs needs on a fresh Debian/Ubuntu machine (run as root):
+# the FUSE 3 system packages, then a virtualenv at .venv with mountfs and its test tools.
+# Safe to run again: it installs only what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(fuse3 libfuse3-dev pkg-config gcc attr util-linux)
+missing=()
+for p in "${packages[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup: installing system packages: ${missing[*]}"
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "setup: need root to install ${missing[*]} (apt-get)" >&2
+        exit 1
+    fi
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv"
+    "$PYTHON" -m venv .venv
+fi
+echo "setup: installing mountfs into .venv"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+echo "setup: done (.venv/bin/mountfs, .venv/bin/snapctl)"
