@@ -63,11 +63,14 @@ class FileCache:
         return of
 
     async def release(self, of: OpenFile) -> None:
+        """Last close of a handle. If the data cannot be committed (ENOSPC), the writer was
+        told by close(2) (flush runs first); with no handle left, the buffer is dropped."""
         try:
             await self.flush(of)
         finally:
             of.opens -= 1
-            if of.opens == 0 and not of.dirty:
+            if of.opens == 0:
+                self.forget_dirty(of.ino)
                 self.files.pop(of.ino, None)
 
     def get(self, ino: int) -> OpenFile | None:

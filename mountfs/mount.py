@@ -24,6 +24,7 @@ import trio
 
 from .control import ControlServer
 from .engine import Engine
+from .namespace import FsError
 from .ops import Operations
 from .store import Store, StoreError, lock_holder
 
@@ -136,7 +137,10 @@ async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> Non
         await pyfuse3.main()
         log.info("unmounting %s: flushing", mountpoint)
         engine.files.nursery = None
-        await engine.files.flush_all()
+        try:
+            await engine.files.flush_all()
+        except FsError as e:
+            log.error("could not flush buffered data at unmount: %s", e)
         await engine.sync()
         nursery.cancel_scope.cancel()
 

@@ -25,7 +25,7 @@ import lmdb
 
 from . import schema as S
 
-MAP_SIZE = 1 << 40          # address space only; the file grows with the data
+MAP_SIZE = 1 << 43          # address space only (8 TiB); the file grows with the data
 DEFAULT_CHUNK_SIZE = 1 << 20
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 64 << 20
