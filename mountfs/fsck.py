@@ -124,7 +124,7 @@ def _check_tree(view: View, report: Report, where: str, live: bool) -> None:
                                        f"inode {child}, which does not exist")
                 continue
             names[child] += 1
-            parents[(child, d)] += 1
+            parents[(child, d, bytes(name))] += 1
             reached.add(child)
             if crec.mepoch > drec.mepoch:
                 report.problems.append(f"{where}: directory {d} has mepoch {drec.mepoch}, "
@@ -142,6 +142,9 @@ def _check_tree(view: View, report: Report, where: str, live: bool) -> None:
         if not stat.S_ISDIR(rec.mode) and rec.nlink != names[ino]:
             report.problems.append(f"{where}: inode {ino} has nlink {rec.nlink} but "
                                    f"{names[ino]} name(s)")
+        if ino != S.ROOT_INO and view.lookup(rec.parent, rec.name) != ino:
+            report.problems.append(f"{where}: inode {ino} records its location as "
+                                   f"{rec.parent}/{rec.name!r}, which does not name it")
     if live:
         _check_live_extras(view, reached, parents, report)
 
@@ -169,8 +172,9 @@ def _check_inode(view: View, ino: int, rec: S.Inode, where: str, report: Report)
 def _check_live_extras(view: View, reached: set, parents: Counter, report: Report) -> None:
     txn, dbs = view.txn, view.db
     stored = Counter()
-    for key, value in txn.cursor(db=dbs["parents"]):
-        stored[(S.from_u64(key[:8]), S.from_u64(key[8:16]))] = S.U32.unpack(bytes(value))[0]
+    for key in txn.cursor(db=dbs["parents"]).iternext(values=False):
+        key = bytes(key)
+        stored[(S.from_u64(key[:8]), S.from_u64(key[8:16]), key[16:])] += 1
     if stored != parents:
         diff = set(stored.items()) ^ set(parents.items())
         report.problems.append(f"live tree: the parents table disagrees with the directory "

@@ -80,8 +80,8 @@ class View:
             ino = child
         return ino
 
-    def parents(self, ino: int) -> list[int]:
-        """Live parents of ``ino`` (the parents table tracks the live tree only)."""
+    def links(self, ino: int) -> list[tuple[int, bytes]]:
+        """Every live (parent, name) of ``ino`` (the parents table tracks the live tree)."""
         cur = self.txn.cursor(self.db["parents"])
         prefix = S.u64(ino)
         out = []
@@ -90,8 +90,12 @@ class View:
                 key = bytes(key)
                 if key[:8] != prefix:
                     break
-                out.append(S.from_u64(key[8:]))
+                out.append((S.from_u64(key[8:16]), key[16:]))
         return out
+
+    def parents(self, ino: int) -> list[int]:
+        """The distinct live parent directories of ``ino``."""
+        return list(dict.fromkeys(p for p, _ in self.links(ino)))
 
     # ---- data ------------------------------------------------------------------------------
 
@@ -182,24 +186,37 @@ class Live(View):
 
     def propagate(self, ino: int) -> None:
         """Raise ``mepoch`` of every ancestor to the live epoch, stopping at ancestors that
-        have it already (so the cost is amortised to almost nothing)."""
-        todo = self.parents(ino)
+        have it already (so the cost is amortised to almost nothing), and log every name
+        on the way in its directory's changelog (what the diff descends by)."""
+        todo = [ino]
         while todo:
-            p = todo.pop()
-            rec = self.get(p)
-            if rec.mepoch < self.live:
-                put_live(self.txn, self.db["inodes"], S.inode_key(p),
-                         rec.evolve(mepoch=self.live).pack(), self.live)
-                todo.extend(self.parents(p))
+            for parent, name in self.links(todo.pop()):
+                self.log_change(parent, name)
+                rec = self.get(parent)
+                if rec.mepoch < self.live:
+                    put_live(self.txn, self.db["inodes"], S.inode_key(parent),
+                             rec.evolve(mepoch=self.live).pack(), self.live)
+                    todo.append(parent)
 
-    def add_parent(self, child: int, parent: int, delta: int) -> None:
-        key = S.parents_key(child, parent)
-        raw = self.txn.get(key, db=self.db["parents"])
-        n = (S.U32.unpack(raw)[0] if raw is not None else 0) + delta
-        if n > 0:
-            self.txn.put(key, S.U32.pack(n), db=self.db["parents"])
-        elif raw is not None:
-            self.txn.delete(key, db=self.db["parents"])
+    def log_change(self, parent: int, name: bytes) -> None:
+        self.txn.put(S.changelog_key(parent, self.live, name), b"", db=self.db["changelog"])
+
+    def put_dirent(self, parent: int, name: bytes, child: int) -> None:
+        """Point parent/name at ``child`` in the live epoch (entries and links tables)."""
+        old = self.lookup(parent, name)
+        if old is not None:
+            self.txn.delete(S.parents_key(old, parent, name), db=self.db["parents"])
+        put_live(self.txn, self.db["dirents"], S.dirent_key(parent, name), S.u64(child),
+                 self.live)
+        self.txn.put(S.parents_key(child, parent, name), b"", db=self.db["parents"])
+        self.log_change(parent, name)
+
+    def delete_dirent(self, parent: int, name: bytes) -> None:
+        old = self.lookup(parent, name)
+        if old is not None:
+            self.txn.delete(S.parents_key(old, parent, name), db=self.db["parents"])
+        delete_live(self.txn, self.db["dirents"], S.dirent_key(parent, name), self.live)
+        self.log_change(parent, name)
 
     # ---- creating and linking --------------------------------------------------------------
 
@@ -225,7 +242,7 @@ class Live(View):
         ino = self._next_ino()
         size = len(target) if stat.S_ISLNK(mode) else 0
         rec = S.Inode(mode, uid, gid, 0, size, self.now, self.now, self.now, rdev,
-                      self.live, target)
+                      self.live, target=target)
         put_live(self.txn, self.db["inodes"], S.inode_key(ino), rec.pack(), self.live)
         self.add_entry(parent, name, ino)
         return ino, self.get(ino)
@@ -241,10 +258,9 @@ class Live(View):
         """Link ``child`` at parent/name (the name must be free)."""
         crec = self.get(child)
         is_dir = stat.S_ISDIR(crec.mode)
-        put_live(self.txn, self.db["dirents"], S.dirent_key(parent, name), S.u64(child),
-                 self.live)
-        self.add_parent(child, parent, 1)
-        self.save(child, crec.evolve(nlink=crec.nlink + (2 if is_dir else 1), ctime_ns=self.now))
+        self.put_dirent(parent, name, child)
+        self.save(child, crec.evolve(nlink=crec.nlink + (2 if is_dir else 1), ctime_ns=self.now,
+                                     parent=parent, name=name))
         prec = self.get(parent)
         self.save(parent, prec.evolve(nlink=prec.nlink + (1 if is_dir else 0),
                                       mtime_ns=self.now, ctime_ns=self.now))
@@ -257,13 +273,17 @@ class Live(View):
             raise FsError(errno.ENOENT)
         crec = self.get(child)
         is_dir = stat.S_ISDIR(crec.mode)
-        delete_live(self.txn, self.db["dirents"], S.dirent_key(parent, name), self.live)
-        self.add_parent(child, parent, -1)
+        self.delete_dirent(parent, name)
         prec = self.get(parent)
         self.save(parent, prec.evolve(nlink=prec.nlink - (1 if is_dir else 0),
                                       mtime_ns=self.now, ctime_ns=self.now))
+        location = {"parent": crec.parent, "name": crec.name}
+        if (crec.parent, crec.name) == (parent, name):     # it was the recorded location
+            other = self.links(child)
+            location = {"parent": other[0][0], "name": other[0][1]} if other else \
+                {"parent": 0, "name": b""}
         crec = self.save(child, crec.evolve(nlink=crec.nlink - (2 if is_dir else 1),
-                                            ctime_ns=self.now))
+                                            ctime_ns=self.now, **location))
         return child, crec
 
     def link(self, ino: int, parent: int, name: bytes) -> S.Inode:

@@ -20,14 +20,19 @@ Sub-databases (``DB_*`` below)
 meta      unversioned  b'format' -> u32 FORMAT_VERSION, b'chunk_size' -> u32,
                        b'live_epoch' -> u64, b'next_ino' -> u64, b'next_snap_id' -> u64,
                        b'uuid' -> 16 bytes (the store's identity)
-inodes    versioned    ino:u64 -> INODE struct + symlink target bytes
+inodes    versioned    ino:u64 -> INODE struct + name + symlink target (the record names one
+                       current location of the inode, parent + name: exact for directories,
+                       the newest link for files, so any epoch's path is O(depth) to rebuild)
 dirents   versioned    parent:u64 + name + NUL -> child ino:u64
+changelog unversioned  parent:u64 + epoch:u64 + name -> b''   (the names under a directory
+                       whose entry, or whose inode or anything below it, changed in that
+                       epoch: the per-directory index an epoch-pruned diff descends by)
 chunks    versioned    ino:u64 + index:u64 -> digest:32 + length:u32   (chunk-map leaves)
 chunklog  unversioned  ino:u64 + epoch:u64 + index:u64 -> b''   (which chunks changed in
                        which epoch: the chunk map's epoch index, see below)
 xattrs    versioned    ino:u64 + name + NUL -> b'\\x01' + value
-parents   unversioned  child:u64 + parent:u64 -> count:u32   (live tree only; used to
-                       propagate mepoch through every parent of a hard-linked inode)
+parents   unversioned  child:u64 + parent:u64 + name -> b''   (live tree only: every name
+                       of every inode, to propagate mepoch through all parents of hard links)
 blobs     unversioned  digest:32 -> chunk bytes   (content-addressed, stored once)
 refs      unversioned  digest:32 -> count:u64    (number of chunk-map versions naming it)
 snaps     unversioned  name -> SNAP struct
@@ -57,7 +62,7 @@ DIGEST_SIZE = 32
 NAME_MAX = 255
 
 DB_NAMES = (
-    "meta", "inodes", "dirents", "chunks", "chunklog", "xattrs", "parents",
+    "meta", "inodes", "dirents", "chunks", "chunklog", "changelog", "xattrs", "parents",
     "blobs", "refs", "snaps", "snapepochs", "orphans", "purge",
 )
 VERSIONED_DBS = ("inodes", "dirents", "chunks", "xattrs")
@@ -121,19 +126,24 @@ def chunklog_key(ino: int, epoch: int, index: int) -> bytes:
     return U64.pack(ino) + U64.pack(epoch) + U64.pack(index)
 
 
-def parents_key(child: int, parent: int) -> bytes:
-    return U64.pack(child) + U64.pack(parent)
+def parents_key(child: int, parent: int, name: bytes) -> bytes:
+    return U64.pack(child) + U64.pack(parent) + name
+
+
+def changelog_key(parent: int, epoch: int, name: bytes) -> bytes:
+    return U64.pack(parent) + U64.pack(epoch) + name
 
 
 # ---- values -------------------------------------------------------------------------------
 
-_INODE = struct.Struct("<IIIIQqqqQQ")
+_INODE = struct.Struct("<IIIIQqqqQQQH")
 
 
 @dataclass(frozen=True, slots=True)
 class Inode:
     """One version of an inode record. ``mepoch`` is the newest epoch in which this inode or
-    anything below it changed; ``target`` is the symlink target (empty otherwise)."""
+    anything below it changed; ``parent``/``name`` name one location of it (0/b'' when it
+    has none); ``target`` is the symlink target (empty otherwise)."""
 
     mode: int
     uid: int
@@ -145,17 +155,26 @@ class Inode:
     ctime_ns: int
     rdev: int
     mepoch: int
+    parent: int = 0
+    name: bytes = b""
     target: bytes = b""
 
     def pack(self) -> bytes:
         return _INODE.pack(self.mode, self.uid, self.gid, self.nlink, self.size,
                            self.atime_ns, self.mtime_ns, self.ctime_ns, self.rdev,
-                           self.mepoch) + self.target
+                           self.mepoch, self.parent, len(self.name)) + self.name + self.target
 
     @classmethod
     def unpack(cls, b: bytes) -> "Inode":
         b = bytes(b)
-        return cls(*_INODE.unpack_from(b), target=b[_INODE.size:])
+        *fields, parent, namelen = _INODE.unpack_from(b)
+        tail = b[_INODE.size:]
+        return cls(*fields, parent=parent, name=tail[:namelen], target=tail[namelen:])
+
+    def attributes(self) -> tuple:
+        """What a user sees of the inode itself (not mepoch, not its location)."""
+        return (self.mode, self.uid, self.gid, self.nlink, self.size, self.atime_ns,
+                self.mtime_ns, self.ctime_ns, self.rdev, self.target)
 
     def evolve(self, **kw) -> "Inode":
         return replace(self, **kw)

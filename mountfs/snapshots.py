@@ -145,16 +145,13 @@ def _restore_record(live: Live, dbname: str, base: bytes, now, then, done: Rollb
             put_live(txn, db, base, S.Inode.unpack(then).evolve(mepoch=L).pack(), L)
         done.inodes.add(ino)
     elif dbname == "dirents":
-        parent = S.from_u64(base[:8])
-        if now is not None:
-            live.add_parent(S.from_u64(now), parent, -1)
+        parent, name = S.from_u64(base[:8]), S.name_of_dirent_key(base)
         if then is None:
-            delete_live(txn, db, base, L)
+            live.delete_dirent(parent, name)
         else:
-            put_live(txn, db, base, then, L)
-            live.add_parent(S.from_u64(then), parent, 1)
+            live.put_dirent(parent, name, S.from_u64(then))
         done.inodes.add(parent)
-        done.entries.add((parent, S.name_of_dirent_key(base)))
+        done.entries.add((parent, name))
     elif dbname == "chunks":
         ino, index = S.from_u64(base[:8]), S.from_u64(base[8:16])
         if then is None:
