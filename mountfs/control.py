@@ -98,6 +98,9 @@ class ControlServer:
         if op == "status":
             return {"ok": True, "pid": os.getpid(), "mountpoint": self.mountpoint,
                     "store": str(engine.store.path), "live_epoch": engine.live}
+        if op == "flush":
+            await engine.files.flush_all()
+            return {"ok": True, "live_epoch": engine.live}
         if op == "list":
             return {"ok": True, "snapshots": [snapshot_json(s) for s in engine.list_snapshots()]}
         if self.ops.read_only:
