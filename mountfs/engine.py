@@ -173,10 +173,10 @@ class Engine:
             await trio.sleep(0)
         if token is None:
             return
-        for dbname in S.VERSIONED_DBS:
+        for dbname in S.VERSIONED_DBS + gc.LOGS:
             start = None
             while True:
-                start = await self.mutate_in_thread(gc.reclaim_batch, self.db, self.chunk_size,
+                start = await self.mutate_in_thread(gc.batch, self.db, self.chunk_size,
                                                     dbname, start)
                 if start is None:
                     break

@@ -83,6 +83,37 @@ def _drop(live: Live, dbname: str, base: bytes, epoch: int, value: bytes) -> Non
             live.decref(S.unpack_chunk(value)[0])
 
 
+LOGS = ("changelog", "chunklog")
+
+
+def trim_logs_batch(txn, dbs, dbname: str, start: bytes | None,
+                    max_keys: int = BATCH_KEYS) -> bytes | None:
+    """Drop change-log entries no diff can ask for: a diff starts at a snapshot, so it never
+    needs entries at or before the oldest snapshot's epoch (or the live one, without
+    snapshots). Keys are (owner:u64, epoch:u64, ...): per owner, one range from the start.
+    Returns where to continue, or None when the log is done."""
+    upto = min(retained_epochs(txn, dbs))
+    db = dbs[dbname]
+    cur = txn.cursor(db)
+    if not (cur.set_range(start) if start else cur.first()):
+        return None
+    seen = 0
+    while seen < max_keys:
+        key = bytes(cur.key())
+        owner = key[:8]
+        if S.from_u64(key[8:16]) <= upto:
+            cur.delete()
+            seen += 1
+            if not cur.key() and not cur.set_range(key):
+                return None
+            continue
+        seen += 1
+        nxt = S.from_u64(owner) + 1
+        if nxt >= 1 << 64 or not cur.set_range(S.u64(nxt)):
+            return None
+    return bytes(cur.key())
+
+
 def purge_batch(txn, dbs, chunk_size: int, max_chunks: int = BATCH_KEYS) -> bool:
     """Drop the chunk maps of deleted files, at most ``max_chunks`` chunks. Returns True when
     the purge queue is empty."""
@@ -121,12 +152,19 @@ def run_to_completion(store) -> None:
         token = reclaim_token(txn, store.db)
     if token is None:
         return
-    for dbname in S.VERSIONED_DBS:
+    for dbname in S.VERSIONED_DBS + LOGS:
         start = None
         while True:
             with store.write() as txn:
-                start = reclaim_batch(txn, store.db, store.chunk_size, dbname, start)
+                start = batch(txn, store.db, store.chunk_size, dbname, start)
             if start is None:
                 break
     with store.write() as txn:
         finish_reclaim(txn, store.db, token)
+
+
+def batch(txn, dbs, chunk_size: int, dbname: str, start: bytes | None) -> bytes | None:
+    """One batch of reclamation work on ``dbname``: versions, or log entries."""
+    if dbname in LOGS:
+        return trim_logs_batch(txn, dbs, dbname, start)
+    return reclaim_batch(txn, dbs, chunk_size, dbname, start)
