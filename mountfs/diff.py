@@ -58,8 +58,12 @@ class Entry:
     ino: int
     to: str | None = None             # rename target (a TO path)
     link: str | None = None           # create of another name of an existing inode
-    size: int | None = None           # modify of a file with chunks: its size at TO
+    size: int | None = None           # a file's size: TO (create, modify), FROM (delete)
     chunks: tuple[ChunkChange, ...] | None = None
+
+    def sort_key(self) -> list[str]:
+        """Order for people: by the path the entry names first, parents before children."""
+        return self.path.split("/")
 
     def text(self) -> str:
         if self.op == RENAME:
@@ -71,6 +75,17 @@ class Entry:
         if self.chunks is not None:
             d["chunks"] = [asdict(c) for c in self.chunks]
         return d
+
+
+def _reported(inode: S.Inode) -> tuple:
+    """The attributes whose change is a MODIFY. Not ctime (every rename, link and chmod moves
+    it, and no copy can set it) nor nlink (a link's CREATE or DELETE already says it)."""
+    a = inode
+    return (a.mode, a.uid, a.gid, a.size, a.atime_ns, a.mtime_ns, a.rdev, a.target)
+
+
+def _file_size(inode: S.Inode) -> int | None:
+    return inode.size if stat.S_ISREG(inode.mode) else None
 
 
 def _join(parent: str, name: bytes) -> str:
@@ -172,7 +187,7 @@ class Differ:
                 yield from self._walk(x, dst)
             return
         if not implied:
-            yield Entry(DELETE, src, type_name(old.mode), x)
+            yield Entry(DELETE, src, type_name(old.mode), x, size=_file_size(old))
         if new is None and stat.S_ISDIR(old.mode):
             yield from self._walk_deleted(x)
 
@@ -180,7 +195,7 @@ class Differ:
         """``x`` is at d/name at TO and was not at FROM."""
         old, new = self.old.inode(x), self.new.get(x)
         if old is None:
-            yield Entry(CREATE, path, type_name(new.mode), x)
+            yield Entry(CREATE, path, type_name(new.mode), x, size=_file_size(new))
         elif (new.parent, new.name) != (d, name) or not self._moved(x, old, new):
             yield Entry(CREATE, path, type_name(new.mode), x,
                         link=self._existing_name(x, old, new, d, name))
@@ -215,7 +230,7 @@ class Differ:
             yield Entry(MODIFY, path, kind, x)
 
     def _own_change(self, x: int, old: S.Inode, new: S.Inode) -> bool:
-        if old.attributes() != new.attributes():
+        if _reported(old) != _reported(new):
             return True
         if stat.S_ISREG(new.mode) and next(self._chunks(x), None) is not None:
             return True

@@ -193,6 +193,9 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
     R ./old -> ./new  renamed (the same inode; old is a FROM path)
     M ./path          content or attributes changed
 
+    The text report is sorted by path; --json streams entries as they are found (parents
+    before children), in bounded memory however large the diff.
+
     Found in time proportional to the changes: unchanged subtrees are never visited.
     Applying the report to a copy of FROM (renames and deletes first, then creates and
     modifies) yields TO."""
@@ -219,25 +222,32 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
             entries = diffmod.diff(txn, store.db, store.chunk_size, lo, hi,
                                    with_chunks=chunks or as_stat)
             if as_stat:
-                _print_stat(entries, store.chunk_size)
-            else:
+                _print_stat(entries)
+            elif as_json:
                 for e in entries:
-                    click.echo(json.dumps(e.to_json()) if as_json else e.text())
+                    click.echo(json.dumps(e.to_json()))
+            else:
+                for e in sorted(entries, key=diffmod.Entry.sort_key):
+                    click.echo(e.text())
     except StoreError as e:
         fail(str(e))
     finally:
         store.close()
 
 
-def _print_stat(entries, chunk_size: int) -> None:
+def _print_stat(entries) -> None:
+    """Entries and bytes per op: the sizes of created and deleted files (not the implied
+    contents of created or deleted directories), the changed chunks of modified ones."""
     counts = {op: 0 for op in ("create", "delete", "rename", "modify")}
     nbytes = dict.fromkeys(counts, 0)
     for e in entries:
         counts[e.op] += 1
         if e.chunks is not None:
             nbytes[e.op] += sum(c.length for c in e.chunks)
+        elif e.size is not None:
+            nbytes[e.op] += e.size
     for op in counts:
-        click.echo(f"{op:<8} {counts[op]:>10} entries {nbytes[op]:>14} changed bytes")
+        click.echo(f"{op:<8} {counts[op]:>10} entries {nbytes[op]:>14} bytes")
 
 
 @main.command()
