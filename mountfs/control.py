@@ -35,7 +35,7 @@ class ControlError(StoreError):
 
 def snapshot_json(snap) -> dict:
     return {"name": snap.name, "epoch": snap.epoch, "created_ns": snap.created_ns,
-            "id": snap.snap_id, "uuid": snap.uuid.hex()}
+            "id": snap.snap_id, "uuid": snap.uuid.hex(), "written": snap.written}
 
 
 class ControlServer:

@@ -397,6 +397,7 @@ class Live(View):
         old = put_live(self.txn, self.db["chunks"], S.chunk_key(ino, index),
                        S.pack_chunk(digest, len(data)), self.live)
         self.txn.put(S.chunklog_key(ino, self.live, index), b"", db=self.db["chunklog"])
+        add_written(self.txn, self.db, self.live, len(data))
         if old:
             self.decref(S.unpack_chunk(old)[0])
 
@@ -406,6 +407,7 @@ class Live(View):
                                    self.live)
         if existed:
             self.txn.put(S.chunklog_key(ino, self.live, index), b"", db=self.db["chunklog"])
+        add_written(self.txn, self.db, self.live, len(data))
         if old:
             self.decref(S.unpack_chunk(old)[0])
 
@@ -458,6 +460,16 @@ class Live(View):
         self.txn.delete(S.u64(ino), db=self.db["orphans"])
         if not self.drop_chunks_from(ino, 0, limit=inline_chunks):
             self.txn.put(S.u64(ino), b"", db=self.db["purge"])
+
+
+def written(txn, dbs, epoch: int) -> int:
+    """Chunk bytes written in ``epoch`` (what a snapshot adds over the one before it)."""
+    val = txn.get(S.written_key(epoch), db=dbs["meta"])
+    return S.from_u64(val) if val else 0
+
+
+def add_written(txn, dbs, epoch: int, nbytes: int) -> None:
+    txn.put(S.written_key(epoch), S.u64(written(txn, dbs, epoch) + nbytes), db=dbs["meta"])
 
 
 def check_name(name: bytes) -> None:

@@ -19,7 +19,8 @@ Sub-databases (``DB_*`` below)
 ------------------------------
 meta      unversioned  b'format' -> u32 FORMAT_VERSION, b'chunk_size' -> u32,
                        b'live_epoch' -> u64, b'next_ino' -> u64, b'next_snap_id' -> u64,
-                       b'uuid' -> 16 bytes (the store's identity)
+                       b'uuid' -> 16 bytes (the store's identity),
+                       b'written' + epoch:u64 -> u64 (chunk bytes written in that epoch)
 inodes    versioned    ino:u64 -> INODE struct + name + symlink target (the record names one
                        current location of the inode, parent + name: exact for directories,
                        the newest link for files, so any epoch's path is O(depth) to rebuild)
@@ -70,6 +71,10 @@ VERSIONED_DBS = ("inodes", "dirents", "chunks", "xattrs")
 U64 = struct.Struct(">Q")
 U32 = struct.Struct(">I")
 TOMBSTONE = b""
+
+
+def written_key(epoch: int) -> bytes:
+    return b"written" + u64(epoch)
 
 
 def u64(n: int) -> bytes:
@@ -202,6 +207,7 @@ class Snapshot:
     created_ns: int
     snap_id: int
     uuid: bytes
+    written: int = 0    # chunk bytes written since the snapshot before (meta, not packed)
 
     def pack(self) -> bytes:
         return _SNAP.pack(self.epoch, self.created_ns, self.snap_id, self.uuid)

@@ -69,6 +69,13 @@ def syncfs(path: str) -> None:
         os.close(fd)
 
 
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
 def fail(msg: str, code: int = 1):
     click.echo(f"snapctl: {msg}", err=True)
     sys.exit(code)
@@ -130,7 +137,7 @@ def create(ctx, name):
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_context
 def list_(ctx, as_json):
-    """List snapshots, oldest first."""
+    """List snapshots, oldest first, with the chunk data written since the one before."""
     from . import snapshots as snaps
     target = _target(ctx)
 
@@ -148,11 +155,11 @@ def list_(ctx, as_json):
     if not items:
         click.echo("no snapshots")
         return
-    click.echo(f"{'NAME':<32} {'EPOCH':>8}  CREATED")
+    click.echo(f"{'NAME':<32} {'EPOCH':>8} {'WRITTEN':>9}  CREATED")
     for s in items:
         created = datetime.datetime.fromtimestamp(s["created_ns"] / 1e9).isoformat(
             sep=" ", timespec="seconds")
-        click.echo(f"{s['name']:<32} {s['epoch']:>8}  {created}")
+        click.echo(f"{s['name']:<32} {s['epoch']:>8} {human_bytes(s['written']):>9}  {created}")
 
 
 @main.command()

@@ -11,10 +11,10 @@ import os
 import stat
 import time
 import uuid as uuidlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import schema as S
-from .namespace import FsError, Live, View
+from .namespace import FsError, Live, View, add_written, written
 from .store import StoreError, delete_live, get_version, put_live
 
 
@@ -57,7 +57,8 @@ def create(txn, dbs, name: str, snap_uuid: bytes | None = None) -> S.Snapshot:
 def list_all(txn, dbs) -> list[S.Snapshot]:
     out = []
     for epoch_key, name in txn.cursor(db=dbs["snapepochs"]):
-        out.append(S.Snapshot.unpack(name, txn.get(bytes(name), db=dbs["snaps"])))
+        snap = S.Snapshot.unpack(name, txn.get(bytes(name), db=dbs["snaps"]))
+        out.append(replace(snap, written=written(txn, dbs, snap.epoch)))
     return out
 
 
@@ -79,9 +80,19 @@ def delete(txn, dbs, name: str) -> S.Snapshot:
     snap = get(txn, dbs, name)
     txn.delete(snap.name.encode("utf-8", "surrogateescape"), db=dbs["snaps"])
     txn.delete(S.u64(snap.epoch), db=dbs["snapepochs"])
+    _merge_written(txn, dbs, snap.epoch)
     token = txn.get(b"gc_pending", db=dbs["meta"])
     txn.put(b"gc_pending", S.u64(S.from_u64(token) + 1 if token else 1), db=dbs["meta"])
     return snap
+
+
+def _merge_written(txn, dbs, epoch: int) -> None:
+    """A deleted snapshot's epoch merges into the next retained one (the next snapshot's,
+    or the live one), and so does its count of written bytes."""
+    nxt = min(e for e in retained_epochs(txn, dbs) if e > epoch)
+    moved = written(txn, dbs, epoch)
+    txn.delete(S.written_key(epoch), db=dbs["meta"])
+    add_written(txn, dbs, nxt, moved)
 
 
 # ---- rollback of the whole tree ---------------------------------------------------------------
