@@ -407,7 +407,6 @@ class Live(View):
                                    self.live)
         if existed:
             self.txn.put(S.chunklog_key(ino, self.live, index), b"", db=self.db["chunklog"])
-        add_written(self.txn, self.db, self.live, len(data))
         if old:
             self.decref(S.unpack_chunk(old)[0])
 
