@@ -107,6 +107,10 @@ class Differ:
         self.old_path = lru_cache(maxsize=1 << 16)(lambda d: self._path(self.old, d))
         self.new_path = lru_cache(maxsize=1 << 16)(lambda d: self._path(self.new, d))
         self._modified_links: set[int] = set()   # hard-linked files reported once
+        # Every directory entry and inode the descent found changed (or possibly changed):
+        # the records a mirror needs, found without walking anything unchanged.
+        self.touched_entries: set[tuple[int, bytes]] = set()
+        self.touched_inodes: set[int] = set()
 
     # ---- entry point -----------------------------------------------------------------------
 
@@ -116,6 +120,7 @@ class Differ:
         root_new = self.new.get(S.ROOT_INO)
         if root_new.mepoch <= self.lo:
             return
+        self.touched_inodes.add(S.ROOT_INO)
         if self._own_change(S.ROOT_INO, self.old.get(S.ROOT_INO), root_new):
             yield Entry(MODIFY, ".", "dir", S.ROOT_INO)
         yield from self._walk(S.ROOT_INO, ".")
@@ -133,6 +138,7 @@ class Differ:
     def _walk(self, d: int, path: str) -> Iterator[Entry]:
         """Changes under directory ``d``, which is the same inode at FROM and TO."""
         for name in self._changed_names(d):
+            self.touched_entries.add((d, name))
             x_old = self.old.lookup(d, name)
             x_new = self.new.lookup(d, name)
             if x_old is not None and x_old != x_new:
@@ -148,6 +154,7 @@ class Differ:
         """What left directory ``d``, deleted by TO: renames out of it (its deletes are
         implied by its own DELETE)."""
         for name in self._changed_names(d):
+            self.touched_entries.add((d, name))
             x_old = self.old.lookup(d, name)
             if x_old is not None:
                 yield from self._removed(d, name, x_old, implied=True)
@@ -171,6 +178,7 @@ class Differ:
         new = self.new.get(x)
         if new.mepoch <= self.lo:
             return
+        self.touched_inodes.add(x)
         yield from self._modify(x, self.old.get(x), new, path)
         if stat.S_ISDIR(new.mode):
             yield from self._walk(x, path)
@@ -178,6 +186,7 @@ class Differ:
     def _removed(self, d: int, name: bytes, x: int, implied: bool) -> Iterator[Entry]:
         """``x`` was at d/name at FROM and is not at TO."""
         old, new = self.old.get(x), self.new.inode(x)
+        self.touched_inodes.add(x)
         src = _join(self.old_path(d), name)
         if new is not None and (old.parent, old.name) == (d, name) and self._moved(x, old, new):
             dst = _join(self.new_path(new.parent), new.name)
@@ -194,6 +203,7 @@ class Differ:
     def _added(self, d: int, name: bytes, x: int, path: str) -> Iterator[Entry]:
         """``x`` is at d/name at TO and was not at FROM."""
         old, new = self.old.inode(x), self.new.get(x)
+        self.touched_inodes.add(x)
         if old is None:
             yield Entry(CREATE, path, type_name(new.mode), x, size=_file_size(new))
         elif (new.parent, new.name) != (d, name) or not self._moved(x, old, new):
