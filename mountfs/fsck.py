@@ -205,7 +205,7 @@ def _check_chunks(txn, dbs, chunk_size: int, report: Report) -> None:
     for key, data in txn.cursor(db=dbs["blobs"]):
         key = bytes(key)
         blobs += 1
-        if key not in stored:
+        if key not in stored and txn.get(key, db=dbs["staged"]) is None:
             report.problems.append(f"chunk {key.hex()[:16]}: stored but unreferenced")
         if blake3.blake3(data).digest() != key:
             report.problems.append(f"chunk {key.hex()[:16]}: data does not match its digest "

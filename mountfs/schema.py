@@ -42,6 +42,9 @@ orphans   unversioned  ino:u64 -> b''   (live inodes with nlink 0 still open by 
                        deleted at the next mount if the process died)
 purge     unversioned  ino:u64 -> b''   (deleted inodes whose chunk map still has live
                        versions to tombstone; worked off in the background)
+staged    unversioned  digest:32 -> b''   (a mirror's chunks received for a replication
+                       cycle that has not committed yet: in ``blobs`` with no ``refs``; kept
+                       so that a re-run does not re-send them, dropped by the next commit)
 
 The chunk map's epoch index
 ---------------------------
@@ -56,7 +59,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, replace
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_EPOCH = 2**64 - 1
 ROOT_INO = 1
 DIGEST_SIZE = 32
@@ -64,7 +67,7 @@ NAME_MAX = 255
 
 DB_NAMES = (
     "meta", "inodes", "dirents", "chunks", "chunklog", "changelog", "xattrs", "parents",
-    "blobs", "refs", "snaps", "snapepochs", "orphans", "purge",
+    "blobs", "refs", "snaps", "snapepochs", "orphans", "purge", "staged",
 )
 VERSIONED_DBS = ("inodes", "dirents", "chunks", "xattrs")
 

@@ -116,21 +116,23 @@ def _target(ctx) -> Target:
 @click.pass_context
 def create(ctx, name):
     """Take snapshot NAME of the live tree (everything written before it returns)."""
-    from . import snapshots as snaps
-    target = _target(ctx)
     try:
-        snaps.validate_name(name)
-        if target.mountpoint:
-            syncfs(target.mountpoint)
-
-        def offline(store):
-            with store.write() as txn:
-                return {"snapshot": control.snapshot_json(snaps.create(txn, store.db, name))}
-        reply = run(target, {"op": "create", "name": name}, offline)
+        snap = _create_snapshot(_target(ctx), name)
     except StoreError as e:
         fail(str(e))
-    snap = reply["snapshot"]
     click.echo(f"created snapshot {snap['name']} (epoch {snap['epoch']})")
+
+
+def _create_snapshot(target: Target, name: str) -> dict:
+    from . import snapshots as snaps
+    snaps.validate_name(name)
+    if target.mountpoint:
+        syncfs(target.mountpoint)
+
+    def offline(store):
+        with store.write() as txn:
+            return {"snapshot": control.snapshot_json(snaps.create(txn, store.db, name))}
+    return run(target, {"op": "create", "name": name}, offline)["snapshot"]
 
 
 @main.command("list")
@@ -306,3 +308,85 @@ def restore(ctx, name, path, dest, force):
 
 if __name__ == "__main__":
     main()
+
+
+@main.command()
+@click.option("--to", "mirror_url", required=True, metavar="MIRROR_URL",
+              help="file:///path/to/store, or http(s)://host:port (serve-mirror).")
+@click.option("--snapshot", "name", help="Send this snapshot (default: take one of the live "
+              "tree now, named repl-YYYYmmddTHHMMSSZ).")
+@click.option("--force", is_flag=True,
+              help="If the mirror changed since the base, roll it back to the base.")
+@click.option("--spark-master", metavar="URL", envvar="MOUNTFS_SPARK_MASTER",
+              help="Spark master (spark://, yarn, k8s://); default: embedded local[*].")
+@click.option("--token-file", type=click.Path(dir_okay=False),
+              help="Bearer token for an http(s) mirror (else $MOUNTFS_TOKEN).")
+@click.option("--stall-timeout", default=300.0, show_default=True, metavar="SECONDS",
+              help="Cancel a transfer that makes no progress for this long (rerun resumes).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.pass_context
+def replicate(ctx, mirror_url, name, force, spark_master, token_file, stall_timeout, as_json):
+    """Send a snapshot to a mirror: only what changed since the newest snapshot both hold.
+
+    Renames and deletes, creates and modifies, then the snapshot of the same name, are
+    committed on the mirror in one transaction: the mirror is at its old snapshot or the new
+    one, never in between. Only chunks the mirror lacks travel (a Spark job). An interrupted
+    run can simply be run again: chunks that arrived are not sent twice."""
+    from replicator.cycle import replicate as run_cycle
+    from replicator.endpoints import open_mirror
+    from .store import Store
+    target = _target(ctx)
+    try:
+        if name is None:
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+            name = _create_snapshot(target, f"repl-{stamp}")["name"]
+        source = Store.open(target.store, readonly=True, lock=False)
+        chunk_size = source.chunk_size
+        source.close()
+        mirror = open_mirror(mirror_url, chunk_size, token=_token(token_file))
+        try:
+            with _progress_bar(not as_json) as progress:
+                result = run_cycle(target.store, mirror, name, force=force,
+                                   master=spark_master, stall_seconds=stall_timeout,
+                                   progress=progress)
+        finally:
+            mirror.close()
+    except StoreError as e:
+        fail(str(e))
+    except Exception as e:          # Spark and network failures: one line, not a traceback
+        from replicator.transfer import TransferFailed
+        if not isinstance(e, TransferFailed):
+            raise
+        fail(f"transfer failed: {e}")
+    click.echo(json.dumps(result.to_json()) if as_json else result.summary())
+
+
+def _token(token_file: str | None) -> str | None:
+    if token_file:
+        try:
+            return open(token_file).read().strip()
+        except OSError as e:
+            fail(f"cannot read token file {token_file}: {e.strerror}")
+    return os.environ.get("MOUNTFS_TOKEN")
+
+
+class _progress_bar:
+    """A progress bar on stderr over chunk batches, when stderr is a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.bar = None
+
+    def __enter__(self):
+        return self.update if self.enabled else None
+
+    def update(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = click.progressbar(length=total, label="sending chunk batches",
+                                         file=sys.stderr, show_eta=True, show_pos=True)
+            self.bar.__enter__()
+        self.bar.update(done - self.bar.pos)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)

@@ -39,14 +39,16 @@ def live_epoch(txn, dbs) -> int:
     return S.from_u64(txn.get(b"live_epoch", db=dbs["meta"]))
 
 
-def create(txn, dbs, name: str, snap_uuid: bytes | None = None) -> S.Snapshot:
+def create(txn, dbs, name: str, snap_uuid: bytes | None = None,
+           created_ns: int | None = None) -> S.Snapshot:
     raw = validate_name(name)
     if txn.get(raw, db=dbs["snaps"]) is not None:
         raise SnapshotError(f"a snapshot named {name!r} already exists")
     meta = dbs["meta"]
     epoch = live_epoch(txn, dbs)
     snap_id = S.from_u64(txn.get(b"next_snap_id", db=meta))
-    snap = S.Snapshot(name, epoch, time.time_ns(), snap_id, snap_uuid or uuidlib.uuid4().bytes)
+    snap = S.Snapshot(name, epoch, created_ns or time.time_ns(), snap_id,
+                      snap_uuid or uuidlib.uuid4().bytes)
     txn.put(raw, snap.pack(), db=dbs["snaps"])
     txn.put(S.u64(epoch), raw, db=dbs["snapepochs"])
     txn.put(b"next_snap_id", S.u64(snap_id + 1), db=meta)

@@ -1,0 +1,76 @@
+"""Reaching a mirror by URL. ``file:///path`` is a store this host can open; both kinds offer
+the same calls: info, missing, a sink for the Spark tasks, commit and rollback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+from mountfs.store import Store, StoreError
+
+from . import mirror
+from .changeset import Changeset
+
+
+def open_mirror(url: str, chunk_size: int, token: str | None = None):
+    """The mirror at ``url``; a ``file://`` mirror that does not exist yet is created with
+    the source's chunk size."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return LocalMirror(Path(parsed.path), chunk_size)
+    if parsed.scheme in ("http", "https"):
+        from .client import HttpMirror
+        return HttpMirror(url, token)
+    raise StoreError(f"unsupported mirror URL {url!r}: use file:///path or http(s)://host:port")
+
+
+class FileSink:
+    """Stages chunks straight into a mirror store on a path (what a Spark task calls)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def put(self, chunks) -> tuple[int, int]:
+        store = Store.open(self.path, lock=False)
+        try:
+            with store.write() as txn:
+                return mirror.stage(txn, store.db, chunks)
+        finally:
+            store.close()
+
+
+class LocalMirror:
+    """A mirror store on a local or network path, held under its store lock for the cycle."""
+
+    def __init__(self, path: Path, chunk_size: int):
+        path = path.absolute()
+        if not (path / "data.mdb").exists():
+            if path.exists() and any(path.iterdir()):
+                raise StoreError(f"{path} exists and is not a mountfs store")
+            Store.mkfs(path, chunk_size)
+        self.store = Store.open(path, holder="replication")
+        self.sink = FileSink(str(path))
+
+    def info(self) -> dict:
+        return mirror.info(self.store)
+
+    def missing(self, digests: list[bytes]) -> list[bytes]:
+        with self.store.read() as txn:
+            return mirror.missing(txn, self.store.db, digests)
+
+    def commit(self, source_uuid: bytes, base_uuid: str | None, snap: mirror.SnapshotRef,
+               cs: Changeset) -> None:
+        with self.store.write() as txn:
+            mirror.commit(txn, self.store.db, self.store.chunk_size, source_uuid, base_uuid,
+                          snap, cs)
+        self.store.sync()
+        mirror.purge_deleted(self.store)
+        self.store.sync()
+
+    def rollback_to(self, base_uuid: str) -> None:
+        with self.store.write() as txn:
+            mirror.rollback_to(txn, self.store.db, self.store.chunk_size, base_uuid)
+        self.store.sync()
+
+    def close(self) -> None:
+        self.store.close()

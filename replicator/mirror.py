@@ -1,0 +1,311 @@
+"""The receiving side of replication: a mountfs store that mirrors a source store.
+
+A mirror keeps the source's inode numbers and snapshot uuids. A replication cycle stages the
+chunks the mirror lacks (each verified against its digest on arrival), then commits: the
+changeset (replicator.changeset) and the new snapshot go in ONE transaction, so the mirror is
+at its base or at the new snapshot, never in between. Staged chunks survive an interrupted
+cycle (a re-run does not send them again) and are dropped by the next commit.
+
+Everything here distrusts its input: a commit is checked for names that could escape
+(``/``, NUL, ``.``/``..``), references to chunks or inodes the mirror does not have,
+directory cycles, and a mirror that changed since its base.
+"""
+
+from __future__ import annotations
+
+import stat
+from dataclasses import dataclass
+
+import blake3
+
+from mountfs import gc
+from mountfs import schema as S
+from mountfs import snapshots as snaps
+from mountfs.namespace import FsError, Live, View, add_written, check_name
+from mountfs.store import Store, StoreError, delete_live, put_live
+
+from .changeset import Changeset
+
+MAX_INO = 1 << 62          # inode numbers at and above this are the mount's virtual ones
+
+
+class MirrorError(StoreError):
+    """A replication request the mirror refuses (one clear line for the user)."""
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    name: str
+    uuid: str          # hex
+    created_ns: int
+
+
+# ---- staging chunks -----------------------------------------------------------------------
+
+def stage(txn, dbs, chunks) -> tuple[int, int]:
+    """Store chunks received for a cycle: ``chunks`` is [(digest, data)]. Each digest is
+    checked before anything is written. Returns (chunks stored, bytes stored); chunks the
+    mirror already has are skipped."""
+    stored = nbytes = 0
+    for digest, data in chunks:
+        digest = bytes(digest)
+        if blake3.blake3(data).digest() != digest:
+            raise MirrorError(f"chunk {digest.hex()[:16]} does not match its digest "
+                              f"(corrupted in transit?); nothing of this batch was stored")
+    for digest, data in chunks:
+        digest = bytes(digest)
+        if _present(txn, dbs, digest):
+            continue
+        txn.put(digest, data, db=dbs["blobs"])
+        txn.put(digest, b"", db=dbs["staged"])
+        stored += 1
+        nbytes += len(data)
+    return stored, nbytes
+
+
+def _present(txn, dbs, digest: bytes) -> bool:
+    return txn.get(digest, db=dbs["refs"]) is not None or \
+        txn.get(digest, db=dbs["staged"]) is not None
+
+
+def missing(txn, dbs, digests) -> list[bytes]:
+    """The digests the mirror has neither committed nor staged."""
+    return [bytes(d) for d in digests if not _present(txn, dbs, bytes(d))]
+
+
+# ---- what the mirror holds ----------------------------------------------------------------
+
+def info(store: Store) -> dict:
+    """Identity, chunk size, snapshots, and whether the live tree changed since each."""
+    with store.read() as txn:
+        dbs = store.db
+        live = snaps.live_epoch(txn, dbs)
+        root = View(txn, dbs, live, store.chunk_size).get(S.ROOT_INO)
+        source = txn.get(b"mirror_of", db=dbs["meta"])
+        return {
+            "format": S.FORMAT_VERSION,
+            "uuid": store.uuid.hex(),
+            "mirror_of": bytes(source).hex() if source else None,
+            "chunk_size": store.chunk_size,
+            "empty": _is_empty(txn, dbs, live, store.chunk_size),
+            "snapshots": [{"name": s.name, "uuid": s.uuid.hex(), "epoch": s.epoch,
+                           "created_ns": s.created_ns, "changed_since": root.mepoch > s.epoch}
+                          for s in snaps.list_all(txn, dbs)],
+        }
+
+
+def _is_empty(txn, dbs, live: int, chunk_size: int) -> bool:
+    view = View(txn, dbs, live, chunk_size)
+    return not snaps.list_all(txn, dbs) and view.is_empty_dir(S.ROOT_INO)
+
+
+# ---- committing a cycle -------------------------------------------------------------------
+
+def commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
+           snapshot: SnapshotRef, cs: Changeset) -> S.Snapshot:
+    """Check the preconditions, apply ``cs`` and take ``snapshot``, in the caller's one
+    write transaction (an exception aborts all of it)."""
+    live_epoch = snaps.live_epoch(txn, dbs)
+    _check_base(txn, dbs, chunk_size, live_epoch, source_uuid, base_uuid)
+    for s in snaps.list_all(txn, dbs):
+        if s.name == snapshot.name or s.uuid.hex() == snapshot.uuid:
+            raise MirrorError(f"the mirror already has snapshot {s.name!r}")
+    live = Live(txn, dbs, live_epoch, chunk_size)
+    apply(live, cs)
+    txn.put(b"mirror_of", source_uuid, db=dbs["meta"])
+    snap = snaps.create(txn, dbs, snapshot.name, snap_uuid=bytes.fromhex(snapshot.uuid),
+                        created_ns=snapshot.created_ns)
+    _drop_staged(txn, dbs)
+    return snap
+
+
+def _check_base(txn, dbs, chunk_size: int, live_epoch: int, source_uuid: bytes,
+                base_uuid: str | None) -> None:
+    mirror_of = txn.get(b"mirror_of", db=dbs["meta"])
+    if mirror_of is not None and bytes(mirror_of) != source_uuid:
+        raise MirrorError(f"the mirror holds another store ({bytes(mirror_of).hex()}), "
+                          f"not this source ({source_uuid.hex()})")
+    if base_uuid is None:
+        if not _is_empty(txn, dbs, live_epoch, chunk_size):
+            raise MirrorError("the mirror is not empty and shares no snapshot with the "
+                              "source; a full copy needs an empty mirror")
+        return
+    base = next((s for s in snaps.list_all(txn, dbs) if s.uuid.hex() == base_uuid), None)
+    if base is None:
+        raise MirrorError(f"the mirror no longer has the base snapshot ({base_uuid})")
+    root = View(txn, dbs, live_epoch, chunk_size).get(S.ROOT_INO)
+    if root.mepoch > base.epoch:
+        raise MirrorError(f"the mirror has changed since its copy of base snapshot "
+                          f"{base.name!r}; pass --force to roll it back to the base")
+
+
+def rollback_to(txn, dbs, chunk_size: int, base_uuid: str) -> None:
+    """Discard whatever changed on the mirror since the base (replicate --force)."""
+    base = next((s for s in snaps.list_all(txn, dbs) if s.uuid.hex() == base_uuid), None)
+    if base is None:
+        raise MirrorError(f"the mirror does not have the base snapshot ({base_uuid})")
+    snaps.rollback(txn, dbs, chunk_size, base, force=True)
+
+
+def _drop_staged(txn, dbs) -> None:
+    """Chunks staged but not adopted by this commit belong to no cycle any more."""
+    cur = txn.cursor(dbs["staged"])
+    for digest in list(cur.iternext(values=False)):
+        digest = bytes(digest)
+        if txn.get(digest, db=dbs["refs"]) is None:
+            txn.delete(digest, db=dbs["blobs"])
+        txn.delete(digest, db=dbs["staged"])
+
+
+def purge_deleted(store: Store) -> None:
+    """Work off the purge queue the commit left (chunk maps of dropped files), in short
+    transactions after the commit."""
+    while True:
+        with store.write() as txn:
+            if gc.purge_batch(txn, store.db, store.chunk_size):
+                return
+
+
+# ---- applying a changeset -----------------------------------------------------------------
+
+def apply(live: Live, cs: Changeset) -> None:
+    """Make the live tree hold every TO value of ``cs``. In DistCp's order: entries that go
+    away or change first (deletes and rename sources), then inodes that are gone, then new
+    entries (creates and rename targets), then records, xattrs and chunks."""
+    _validate(cs)
+    parents = set()
+    for (d, name), child in cs.entries.items():
+        now = live.lookup(d, name)
+        if now is not None and now != child:
+            live.delete_dirent(d, name)
+            parents.add(d)
+    for x, rec in cs.inodes.items():
+        if rec is None and live.inode(x) is not None:
+            _drop(live, x, cs)
+    arrived_dirs = []
+    for (d, name), child in cs.entries.items():
+        if child is not None and live.lookup(d, name) != child:
+            live.put_dirent(d, name, child)
+            parents.add(d)
+            arrived_dirs.append(child)
+    for x, rec in cs.inodes.items():
+        if rec is not None:
+            put_live(live.txn, live.db["inodes"], S.inode_key(x),
+                     rec.evolve(mepoch=live.live).pack(), live.live)
+    for x, xattrs in cs.xattrs.items():
+        _set_xattrs(live, x, xattrs)
+    for x, leaves in cs.chunks.items():
+        for index, value in leaves.items():
+            _set_chunk(live, x, index, value)
+    _check_tree(live, cs, arrived_dirs)
+    _raise_next_ino(live, cs)
+    for x in sorted(parents | {x for x, r in cs.inodes.items() if r is not None}):
+        live.propagate(x)
+
+
+def _raise_next_ino(live: Live, cs: Changeset) -> None:
+    """Keep the inode counter above every inode the mirror holds (for a promoted mirror)."""
+    meta = live.db["meta"]
+    top = max([x for x in cs.inodes] + [0]) + 1
+    if top > S.from_u64(live.txn.get(b"next_ino", db=meta)):
+        live.txn.put(b"next_ino", S.u64(top), db=meta)
+
+
+def _validate(cs: Changeset) -> None:
+    for (d, name), child in cs.entries.items():
+        _check_ino(d)
+        if child is not None:
+            _check_ino(child)
+        try:
+            check_name(name)
+        except FsError:
+            raise MirrorError(f"commit names an entry {name!r} that is not a valid file "
+                              f"name") from None
+    for x in cs.inodes:
+        _check_ino(x)
+    if cs.inodes.get(S.ROOT_INO, 0) is None:
+        raise MirrorError("commit would delete the root directory")
+
+
+def _check_ino(x: int) -> None:
+    if not 1 <= x < MAX_INO:
+        raise MirrorError(f"commit names inode {x}, outside the valid range")
+
+
+def _drop(live: Live, x: int, cs: Changeset) -> None:
+    """Delete inode ``x`` and, for a directory, whatever only it held: entries under it
+    whose inodes the changeset does not mention are implied deletes."""
+    todo = [x]
+    while todo:
+        ino = todo.pop()
+        rec = live.inode(ino)
+        if rec is None:
+            continue
+        if stat.S_ISDIR(rec.mode):
+            for name, child in list(live.listdir(ino)):
+                live.delete_dirent(ino, name)
+                if child not in cs.inodes:
+                    todo.append(child)
+        live.destroy(ino)
+
+
+def _set_xattrs(live: Live, x: int, xattrs: dict[bytes, bytes]) -> None:
+    current = live.xattrs(x)
+    for name in current.keys() - xattrs.keys():
+        delete_live(live.txn, live.db["xattrs"], S.xattr_key(x, name), live.live)
+    for name, value in xattrs.items():
+        if current.get(name) != value:
+            put_live(live.txn, live.db["xattrs"], S.xattr_key(x, name), b"\x01" + value,
+                     live.live)
+
+
+def _set_chunk(live: Live, x: int, index: int, value) -> None:
+    if value is None:
+        live.drop_chunk(x, index)
+        return
+    digest, length = value
+    _adopt(live, digest, length)
+    old = put_live(live.txn, live.db["chunks"], S.chunk_key(x, index),
+                   S.pack_chunk(digest, length), live.live)
+    live.txn.put(S.chunklog_key(x, live.live, index), b"", db=live.db["chunklog"])
+    add_written(live.txn, live.db, live.live, length)
+    if old:
+        live.decref(S.unpack_chunk(old)[0])
+
+
+def _adopt(live: Live, digest: bytes, length: int) -> None:
+    """Reference a chunk the mirror holds, committed or staged for this cycle."""
+    txn, dbs = live.txn, live.db
+    data = txn.get(digest, db=dbs["blobs"])
+    if data is None:
+        raise MirrorError(f"commit refers to chunk {digest.hex()[:16]} that the mirror "
+                          f"lacks; send the chunks first")
+    if len(data) != length:
+        raise MirrorError(f"chunk {digest.hex()[:16]} is {len(data)} bytes on the mirror, "
+                          f"the commit says {length}")
+    raw = txn.get(digest, db=dbs["refs"])
+    txn.put(digest, S.u64(S.from_u64(raw) + 1 if raw else 1), db=dbs["refs"])
+    txn.delete(digest, db=dbs["staged"])
+
+
+def _check_tree(live: Live, cs: Changeset, arrived_dirs: list[int]) -> None:
+    """After the changes: every new entry names an inode that exists, and every directory
+    that arrived somewhere still hangs from the root (no cycle, nothing detached)."""
+    for (d, name), child in cs.entries.items():
+        if child is not None and live.inode(child) is None:
+            raise MirrorError(f"commit links {name!r} to inode {child}, which it does not "
+                              f"carry")
+    for x, rec in cs.inodes.items():
+        if rec is not None and x != S.ROOT_INO and not live.links(x):
+            raise MirrorError(f"commit leaves inode {x} without a name")
+    for ino in arrived_dirs:
+        if not stat.S_ISDIR(live.get(ino).mode):
+            continue
+        seen = set()
+        while ino != S.ROOT_INO:
+            parents = live.parents(ino)
+            if ino in seen or len(parents) != 1:
+                raise MirrorError("commit would leave a directory in a cycle or without a "
+                                  "single parent")
+            seen.add(ino)
+            ino = parents[0]

@@ -1,0 +1,182 @@
+"""Moving chunks to a mirror with Spark: batches balanced by bytes, one Spark task each.
+
+A task opens the source store read-only (chunks are content-addressed, so a digest names the
+same bytes at every epoch; the cycle's snapshot keeps them from being reclaimed), reads its
+batch and hands it to the mirror's sink, which verifies every digest before staging it. A
+batch that fails is retried by Spark; chunks staged before a failure stay staged, so a
+re-run sends only what is still missing.
+
+Spark runs embedded (``local[*]``) unless a master URL is given; the session is created once
+per process and reused by later cycles (the daemon keeps it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_BYTES = 32 << 20
+EMBEDDED_MASTER = "local[*,4]"      # every core, a failed task retried up to 4 times
+DEFAULT_STALL_SECONDS = 300.0
+
+LOG4J_CONFIG = os.path.join(os.path.dirname(__file__), "log4j2.properties")
+QUIET_LOGGING = f"-Dlog4j.configurationFile=file:{LOG4J_CONFIG}"
+
+_session_lock = threading.Lock()
+_session = None
+
+
+def spark_session(master: str | None = None):
+    """The process's Spark session (created on first use, quiet, without a web UI)."""
+    global _session
+    with _session_lock:
+        if _session is None:
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+            os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+            from pyspark.sql import SparkSession
+            builder = (SparkSession.builder.appName("mountfs-replicate")
+                       .master(master or EMBEDDED_MASTER)
+                       .config("spark.ui.enabled", "false")
+                       .config("spark.ui.showConsoleProgress", "false")
+                       .config("spark.task.maxFailures", "4")
+                       .config("spark.python.worker.reuse", "true")
+                       .config("spark.driver.extraJavaOptions", QUIET_LOGGING)
+                       .config("spark.executor.extraJavaOptions", QUIET_LOGGING))
+            _session = builder.getOrCreate()
+            _session.sparkContext.setLogLevel("ERROR")
+        return _session
+
+
+def batches(chunks: list[tuple[bytes, int]], batch_bytes: int = DEFAULT_BATCH_BYTES,
+            min_batches: int = 1) -> list[list[tuple[str, int]]]:
+    """Cut (digest, length) pairs into batches of about ``batch_bytes`` each, balanced by
+    bytes (largest first into the lightest batch), as (hex digest, length) lists."""
+    total = sum(n for _, n in chunks)
+    count = max(min_batches, -(-total // batch_bytes)) if chunks else 0
+    count = min(count, len(chunks))
+    bins: list[list[tuple[str, int]]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for digest, n in sorted(chunks, key=lambda c: -c[1]):
+        i = loads.index(min(loads))
+        bins[i].append((digest.hex(), n))
+        loads[i] += n
+    return bins
+
+
+@dataclass
+class Sent:
+    chunks: int = 0
+    bytes: int = 0
+
+
+def send(source: str, sink, chunk_batches: list, master: str | None = None,
+         stall_seconds: float = DEFAULT_STALL_SECONDS,
+         progress: Callable[[int, int], None] | None = None) -> Sent:
+    """Run the Spark job: every batch read from ``source`` (a store path) and staged through
+    ``sink`` (a picklable object with ``put(list of (digest, data)) -> (chunks, bytes)``).
+    ``progress(done_batches, total_batches)`` is called as batches finish. A job in which no
+    batch finishes for ``stall_seconds`` is cancelled (TransferStalled); what arrived stays."""
+    if not chunk_batches:
+        return Sent()
+    spark = spark_session(master)
+    sc = spark.sparkContext
+    group = f"mountfs-{os.getpid()}-{time.monotonic_ns()}"
+    result: dict = {}
+
+    def run():
+        try:
+            sc.setJobGroup(group, "mountfs replicate", interruptOnCancel=True)
+            rdd = sc.parallelize(chunk_batches, len(chunk_batches))
+            result["value"] = rdd.map(_BatchSender(source, sink)).collect()
+        except BaseException as e:          # handed to the waiting thread below
+            result["error"] = e
+
+    worker = threading.Thread(target=run, name="spark-transfer", daemon=True)
+    worker.start()
+    _watch(sc, group, worker, len(chunk_batches), stall_seconds, progress)
+    if "error" in result:
+        raise TransferFailed(_spark_message(result["error"])) from result["error"]
+    sent = Sent()
+    for chunks, nbytes in result["value"]:
+        sent.chunks += chunks
+        sent.bytes += nbytes
+    return sent
+
+
+class TransferFailed(Exception):
+    """The Spark job failed; chunks staged before the failure stay on the mirror."""
+
+
+class TransferStalled(TransferFailed):
+    """No batch finished for the stall timeout; the job was cancelled."""
+
+
+def _watch(sc, group, worker, total, stall_seconds, progress) -> None:
+    done, last_change = 0, time.monotonic()
+    tracker = sc.statusTracker()
+    while worker.is_alive():
+        worker.join(0.2)
+        now_done = _completed_tasks(tracker, group)
+        if now_done != done:
+            done, last_change = now_done, time.monotonic()
+            if progress:
+                progress(min(done, total), total)
+        elif time.monotonic() - last_change > stall_seconds:
+            sc.cancelJobGroup(group)
+            worker.join()
+            raise TransferStalled(f"no chunk batch finished in {stall_seconds:.0f} s; "
+                                  f"cancelled (what arrived is kept; run again to resume)")
+    if progress:
+        progress(total, total)
+
+
+def _completed_tasks(tracker, group) -> int:
+    done = 0
+    for job_id in tracker.getJobIdsForGroup(group):
+        job = tracker.getJobInfo(job_id)
+        for stage_id in (job.stageIds if job else []):
+            info = tracker.getStageInfo(stage_id)
+            if info:
+                done += info.numCompletedTasks
+    return done
+
+
+def _spark_message(error: BaseException) -> str:
+    """The useful line of a Spark failure (the Python error raised in the task)."""
+    text = str(error)
+    for line in text.splitlines():
+        if "MirrorError:" in line or "StoreError:" in line or "SinkError:" in line:
+            return line.split("Error:", 1)[1].strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class _BatchSender:
+    """The Spark task: read one batch from the source store and put it to the sink."""
+
+    def __init__(self, source: str, sink):
+        self.source = source
+        self.sink = sink
+
+    def __call__(self, batch: list[tuple[str, int]]) -> tuple[int, int]:
+        from mountfs.store import Store
+        store = Store.open(self.source, readonly=True, lock=False)
+        try:
+            chunks = []
+            with store.read() as txn:
+                for hexdigest, _ in batch:
+                    digest = bytes.fromhex(hexdigest)
+                    data = txn.get(digest, db=store.db["blobs"])
+                    if data is None:
+                        raise RuntimeError(f"StoreError: source chunk {hexdigest[:16]} is "
+                                           f"missing (was the snapshot deleted?)")
+                    chunks.append((digest, bytes(data)))
+        finally:
+            store.close()
+        return self.sink.put(chunks)
