@@ -21,6 +21,8 @@ meta      unversioned  b'format' -> u32 FORMAT_VERSION, b'chunk_size' -> u32,
                        b'live_epoch' -> u64, b'next_ino' -> u64, b'next_snap_id' -> u64,
                        b'uuid' -> 16 bytes (the store's identity),
                        b'written' + epoch:u64 -> u64 (chunk bytes written in that epoch)
+                       on a mirror: b'mirror_of' -> the source store's uuid,
+                       b'rolled_back_to' -> epoch:u64 + snapshot uuid (replicate --force)
 inodes    versioned    ino:u64 -> INODE struct + name + symlink target (the record names one
                        current location of the inode, parent + name: exact for directories,
                        the newest link for files, so any epoch's path is O(depth) to rebuild)

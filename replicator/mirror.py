@@ -89,7 +89,8 @@ def info(store: Store) -> dict:
             "chunk_size": store.chunk_size,
             "empty": _is_empty(txn, dbs, live, store.chunk_size),
             "snapshots": [{"name": s.name, "uuid": s.uuid.hex(), "epoch": s.epoch,
-                           "created_ns": s.created_ns, "changed_since": root.mepoch > s.epoch}
+                           "created_ns": s.created_ns,
+                           "changed_since": _changed_since(txn, dbs, root, s)}
                           for s in snaps.list_all(txn, dbs)],
         }
 
@@ -134,17 +135,32 @@ def _check_base(txn, dbs, chunk_size: int, live_epoch: int, source_uuid: bytes,
     if base is None:
         raise MirrorError(f"the mirror no longer has the base snapshot ({base_uuid})")
     root = View(txn, dbs, live_epoch, chunk_size).get(S.ROOT_INO)
-    if root.mepoch > base.epoch:
+    if _changed_since(txn, dbs, root, base):
         raise MirrorError(f"the mirror has changed since its copy of base snapshot "
                           f"{base.name!r}; pass --force to roll it back to the base")
 
 
+def _changed_since(txn, dbs, root: S.Inode, snap: S.Snapshot) -> bool:
+    """Whether the live tree changed after ``snap`` (O(1): the root's mepoch), not counting
+    a rollback to ``snap`` itself (see rollback_to)."""
+    if root.mepoch <= snap.epoch:
+        return False
+    clean = txn.get(b"rolled_back_to", db=dbs["meta"])
+    return not (clean is not None and bytes(clean)[8:] == snap.uuid
+                and root.mepoch <= S.from_u64(bytes(clean)[:8]))
+
+
 def rollback_to(txn, dbs, chunk_size: int, base_uuid: str) -> None:
-    """Discard whatever changed on the mirror since the base (replicate --force)."""
+    """Discard whatever changed on the mirror since the base (replicate --force). The
+    rollback writes in the live epoch, which is then closed, so that the tree counts as
+    unchanged since the base until something writes again."""
     base = next((s for s in snaps.list_all(txn, dbs) if s.uuid.hex() == base_uuid), None)
     if base is None:
         raise MirrorError(f"the mirror does not have the base snapshot ({base_uuid})")
     snaps.rollback(txn, dbs, chunk_size, base, force=True)
+    epoch = snaps.live_epoch(txn, dbs)
+    txn.put(b"rolled_back_to", S.u64(epoch) + base.uuid, db=dbs["meta"])
+    txn.put(b"live_epoch", S.u64(epoch + 1), db=dbs["meta"])
 
 
 def _drop_staged(txn, dbs) -> None:
