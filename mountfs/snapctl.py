@@ -306,9 +306,6 @@ def restore(ctx, name, path, dest, force):
     click.echo(f"restored ./{src} from {name} to ./{to} ({reply['copied']} inodes)")
 
 
-if __name__ == "__main__":
-    main()
-
 
 @main.command()
 @click.option("--to", "mirror_url", required=True, metavar="MIRROR_URL",
@@ -321,11 +318,14 @@ if __name__ == "__main__":
               help="Spark master (spark://, yarn, k8s://); default: embedded local[*].")
 @click.option("--token-file", type=click.Path(dir_okay=False),
               help="Bearer token for an http(s) mirror (else $MOUNTFS_TOKEN).")
+@click.option("--batch-size", default="32M", show_default=True,
+              help="Bytes of chunks per Spark task (K, M, G suffixes).")
 @click.option("--stall-timeout", default=300.0, show_default=True, metavar="SECONDS",
               help="Cancel a transfer that makes no progress for this long (rerun resumes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.pass_context
-def replicate(ctx, mirror_url, name, force, spark_master, token_file, stall_timeout, as_json):
+def replicate(ctx, mirror_url, name, force, spark_master, token_file, batch_size, stall_timeout,
+              as_json):
     """Send a snapshot to a mirror: only what changed since the newest snapshot both hold.
 
     Renames and deletes, creates and modifies, then the snapshot of the same name, are
@@ -334,9 +334,11 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, stall_time
     run can simply be run again: chunks that arrived are not sent twice."""
     from replicator.cycle import replicate as run_cycle
     from replicator.endpoints import open_mirror
+    from .cli import parse_size
     from .store import Store
     target = _target(ctx)
     try:
+        batch_bytes = parse_size(batch_size)
         if name is None:
             stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
             name = _create_snapshot(target, f"repl-{stamp}")["name"]
@@ -347,7 +349,8 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, stall_time
         try:
             with _progress_bar(not as_json) as progress:
                 result = run_cycle(target.store, mirror, name, force=force,
-                                   master=spark_master, stall_seconds=stall_timeout,
+                                   master=spark_master, batch_bytes=batch_bytes,
+                                   stall_seconds=stall_timeout,
                                    progress=progress)
         finally:
             mirror.close()
@@ -390,3 +393,7 @@ class _progress_bar:
     def __exit__(self, *exc):
         if self.bar is not None:
             self.bar.__exit__(*exc)
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import blake3
@@ -213,4 +214,173 @@ def test_interrupted_cycle_resumes_without_resending(spark, mounted, tmp_path):
     assert cli("mountfs", "fsck", "-q", mirror, check=False).returncode == 0
     result = send(m, mirror, "s1")
     assert result.bytes_sent == sum(n for _, n in wanted) - sum(n for _, n in half)
+    assert_mirror_equals(m, mirror, "s1", tmp_path)
+
+
+# ---- what the mirror refuses --------------------------------------------------------------
+
+def commit_by_hand(mirror_path: Path, cs: changeset.Changeset, name="evil") -> None:
+    store = Store.open(mirror_path)
+    try:
+        with store.write() as txn:
+            mirrormod.commit(txn, store.db, store.chunk_size, b"\x01" * 16, None,
+                             mirrormod.SnapshotRef(name, "ab" * 16, 1), cs)
+    finally:
+        store.close()
+
+
+def file_record(parent: int, name: bytes, size: int = 0) -> S.Inode:
+    return S.Inode(stat.S_IFREG | 0o644, 0, 0, 1, size, 1, 1, 1, 0, 1, parent=parent,
+                   name=name)
+
+
+@pytest.mark.parametrize("name", [b"..", b".", b"a/b", b"nul\0", b"", b"x" * 256])
+def test_commit_with_an_escaping_name_is_refused(tmp_path, name):
+    mirror = tmp_path / "mirror"
+    Store.mkfs(mirror)
+    cs = changeset.Changeset(entries={(S.ROOT_INO, name): 2},
+                             inodes={2: file_record(S.ROOT_INO, b"f")})
+    with pytest.raises(MirrorError, match="not a valid file name"):
+        commit_by_hand(mirror, cs)
+    assert mirror_info(mirror)["empty"]
+
+
+def test_commit_referring_to_a_missing_chunk_is_refused(tmp_path):
+    mirror = tmp_path / "mirror"
+    Store.mkfs(mirror)
+    cs = changeset.Changeset(entries={(S.ROOT_INO, b"f"): 2},
+                             inodes={2: file_record(S.ROOT_INO, b"f", 5)},
+                             chunks={2: {0: (b"\x07" * 32, 5)}})
+    with pytest.raises(MirrorError, match="lacks"):
+        commit_by_hand(mirror, cs)
+    assert mirror_info(mirror)["empty"]
+    assert cli("mountfs", "fsck", "-q", mirror, check=False).returncode == 0
+
+
+@pytest.mark.parametrize("case", ["unknown inode", "out of range", "root deleted", "cycle"])
+def test_commit_with_broken_structure_is_refused(tmp_path, case):
+    mirror = tmp_path / "mirror"
+    Store.mkfs(mirror)
+    dir_rec = S.Inode(stat.S_IFDIR | 0o755, 0, 0, 2, 0, 1, 1, 1, 0, 1, parent=S.ROOT_INO,
+                      name=b"d")
+    cs = {
+        "unknown inode": changeset.Changeset(entries={(S.ROOT_INO, b"f"): 5}),
+        "out of range": changeset.Changeset(entries={(S.ROOT_INO, b"f"): 1 << 62},
+                                            inodes={1 << 62: file_record(1, b"f")}),
+        "root deleted": changeset.Changeset(inodes={S.ROOT_INO: None}),
+        "cycle": changeset.Changeset(entries={(2, b"d"): 2}, inodes={2: dir_rec}),
+    }[case]
+    with pytest.raises(MirrorError):
+        commit_by_hand(mirror, cs)
+    assert mirror_info(mirror)["empty"]
+    assert cli("mountfs", "fsck", "-q", mirror, check=False).returncode == 0
+
+
+def test_a_chunk_corrupted_in_transit_is_not_stored(tmp_path):
+    mirror = tmp_path / "mirror"
+    Store.mkfs(mirror)
+    data = os.urandom(1000)
+    good = (blake3.blake3(data).digest(), data)
+    bad = (blake3.blake3(b"other").digest(), data)
+    with pytest.raises(MirrorError, match="does not match its digest"):
+        FileSink(str(mirror)).put([good, bad])
+    store = Store.open(mirror, readonly=True, lock=False)
+    with store.read() as txn:
+        assert mirrormod.missing(txn, store.db, [good[0], bad[0]]) == [good[0], bad[0]]
+    store.close()
+
+
+def test_incompatible_mirrors_are_refused(spark, mounted, tmp_path):
+    m = mounted
+    (m.mnt / "f").write_text("x")
+    m.snapctl("create", "s1")
+    other_chunks = tmp_path / "other-chunks"
+    Store.mkfs(other_chunks, chunk_size=64 << 10)
+    with pytest.raises(MirrorError, match="chunk size"):
+        send(m, other_chunks, "s1")
+    not_empty = tmp_path / "not-empty"
+    Store.mkfs(not_empty)
+    mnt = tmp_path / "ne"
+    mnt.mkdir()
+    writable = Mount(not_empty, mnt).mount()
+    (mnt / "stranger").write_text("y")
+    writable.umount()
+    with pytest.raises(MirrorError, match="not empty"):
+        send(m, not_empty, "s1")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "some-file").write_text("not a store")
+    with pytest.raises(Exception, match="not a mountfs store"):
+        send(m, foreign, "s1")
+
+
+def test_replicating_into_a_mirror_of_another_source_is_refused(spark, make_mount, tmp_path):
+    a, b = make_mount(), make_mount()
+    mirror = tmp_path / "mirror"
+    (a.mnt / "f").write_text("a")
+    a.snapctl("create", "s1")
+    send(a, mirror, "s1")
+    (b.mnt / "g").write_text("b")
+    b.snapctl("create", "t1")
+    with pytest.raises(MirrorError, match="another store"):
+        send(b, mirror, "t1")
+
+
+# ---- the command line, and a kill in the middle -------------------------------------------
+
+def snapctl_replicate(m: Mount, mirror: Path, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mountfs.snapctl", "-m", str(m.mnt),
+                             "replicate", "--to", f"file://{mirror}", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def test_cli_replicate_json_summary(mounted, tmp_path):
+    m, mirror = mounted, tmp_path / "mirror"
+    (m.mnt / "f").write_bytes(os.urandom(100_000))
+    proc = snapctl_replicate(m, mirror, "--json")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    summary = json.loads(out)
+    assert set(summary) == {"snapshot", "base", "entries", "chunks_sent", "bytes_sent",
+                            "bytes_skipped", "seconds"}
+    assert summary["snapshot"].startswith("repl-") and summary["base"] is None
+    assert summary["bytes_sent"] == 100_000
+    proc = snapctl_replicate(m, mirror, "--snapshot", "no-such-snapshot")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and err.strip() == "snapctl: no snapshot named 'no-such-snapshot'"
+
+
+def staged_count(mirror: Path) -> int:
+    try:
+        store = Store.open(mirror, readonly=True, lock=False)
+    except Exception:
+        return 0
+    try:
+        with store.read() as txn:
+            return txn.stat(store.db["staged"])["entries"]
+    finally:
+        store.close()
+
+
+def test_kill_9_during_transfer_then_rerun(mounted, tmp_path):
+    m, mirror = mounted, tmp_path / "mirror"
+    for i in range(24):
+        (m.mnt / f"f{i}").write_bytes(os.urandom(1 << 20))
+    m.snapctl("create", "s1")
+    proc = snapctl_replicate(m, mirror, "--snapshot", "s1", "--batch-size", "1M")
+    deadline = time.monotonic() + 240
+    while staged_count(mirror) == 0 and proc.poll() is None:
+        assert time.monotonic() < deadline, "the transfer never started"
+        time.sleep(0.05)
+    os.killpg(proc.pid, 9)
+    proc.wait()
+    assert cli("mountfs", "fsck", "-q", mirror, check=False).returncode == 0
+    assert mirror_info(mirror)["snapshots"] == []          # at its base (empty), not between
+    staged = staged_count(mirror)
+    proc = snapctl_replicate(m, mirror, "--snapshot", "s1", "--json")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    summary = json.loads(out)
+    assert summary["bytes_sent"] <= 24 * (1 << 20) - staged * (1 << 20)
     assert_mirror_equals(m, mirror, "s1", tmp_path)
