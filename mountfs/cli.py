@@ -113,6 +113,73 @@ def umount(mountpoint, timeout):
         fail(str(e))
 
 
+@main.command("serve-mirror")
+@click.argument("store", type=click.Path())
+@click.option("--listen", default="127.0.0.1:8765", show_default=True, metavar="HOST:PORT",
+              help="Address to listen on.")
+@click.option("--token-file", required=True, type=click.Path(dir_okay=False),
+              help="File holding the bearer token clients must present.")
+@click.option("--tls-cert", type=click.Path(dir_okay=False), help="Serve HTTPS with this "
+              "certificate (PEM); needs --tls-key.")
+@click.option("--tls-key", type=click.Path(dir_okay=False), help="The certificate's key.")
+@click.option("--chunk-size", default="1M", show_default=True,
+              help="Chunk size if STORE does not exist yet (must match the source's).")
+@click.pass_context
+def serve_mirror(ctx, store, listen, token_file, tls_cert, tls_key, chunk_size):
+    """Receive replication into mirror STORE over HTTP(S) (created if missing).
+
+    Sources replicate with 'snapctl replicate --to http://HOST:PORT --token-file FILE'.
+    Every request must carry the token; the store stays locked while this runs."""
+    import trio
+    from replicator.server import serve
+    from .store import Store
+    setup_logging(ctx.obj["verbose"])
+    if bool(tls_cert) != bool(tls_key):
+        fail("--tls-cert and --tls-key go together")
+    try:
+        token = open(token_file).read().strip()
+    except OSError as e:
+        fail(f"cannot read token file {token_file}: {e.strerror}")
+    if len(token) < 16:
+        fail(f"the token in {token_file} is too short (16 characters at least)")
+    try:
+        if not os.path.exists(os.path.join(store, "data.mdb")):
+            Store.mkfs(store, parse_size(chunk_size))
+        st = Store.open(store, holder=f"serving a mirror on {listen}")
+    except StoreError as e:
+        fail(str(e))
+    scheme = "https" if tls_cert else "http"
+    click.echo(f"serving mirror {os.path.abspath(store)} on {scheme}://{listen}", err=True)
+    try:
+        trio.run(serve, st, token, listen, tls_cert, tls_key)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        st.close()
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+def promote(store):
+    """Make mirror STORE a writable source (after losing the original).
+
+    Its snapshots stay; it can then be mounted read-write and replicated elsewhere."""
+    from .store import Store
+    try:
+        st = Store.open(store, holder="promote")
+    except StoreError as e:
+        fail(str(e))
+    try:
+        if st.mirror_of is None:
+            fail(f"{store} is not a mirror")
+        with st.write() as txn:
+            txn.delete(b"mirror_of", db=st.db["meta"])
+            txn.delete(b"rolled_back_to", db=st.db["meta"])
+    finally:
+        st.close()
+    click.echo(f"promoted {os.path.abspath(store)}: it is now a writable source")
+
+
 @main.command()
 @click.argument("store", type=click.Path())
 @click.option("--quiet", "-q", is_flag=True, help="Print only problems.")

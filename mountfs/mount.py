@@ -95,6 +95,10 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
     store = Store.open(store_path, readonly=read_only, lock=not read_only,
                        holder=f"mounted at {mountpoint}")
     try:
+        if not read_only and store.mirror_of is not None:
+            raise StoreError(f"{store.path} is a mirror (of store {store.mirror_of.hex()}); "
+                             f"mount it --read-only, or 'mountfs promote' it to make it a "
+                             f"writable source")
         engine = Engine(store)
         ops = Operations(engine, read_only=read_only)
         options = set(pyfuse3.default_options)

@@ -55,6 +55,8 @@ class Store:
         with env.begin() as txn:
             self.chunk_size = S.U32.unpack(txn.get(b"chunk_size", db=self.db["meta"]))[0]
             self.uuid = bytes(txn.get(b"uuid", db=self.db["meta"]))
+            mirror_of = txn.get(b"mirror_of", db=self.db["meta"])
+            self.mirror_of = bytes(mirror_of) if mirror_of is not None else None
 
     # ---- lifecycle -----------------------------------------------------------------------
 

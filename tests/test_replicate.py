@@ -17,6 +17,7 @@ import pytest
 
 from mountfs import schema as S
 from mountfs import snapshots
+from mountfs.namespace import Live
 from mountfs.store import Store
 from replicator import changeset, mirror as mirrormod, transfer
 from replicator.cycle import replicate
@@ -166,11 +167,7 @@ def test_changed_mirror_is_refused_then_rolled_back_with_force(spark, mounted, t
     (m.mnt / "f").write_text("1")
     m.snapctl("create", "s1")
     send(m, mirror, "s1")
-    mnt = tmp_path / "mm"
-    mnt.mkdir()
-    writable = Mount(mirror, mnt).mount()
-    (mnt / "stray").write_text("written on the mirror")
-    writable.umount()
+    tamper(mirror)
     (m.mnt / "f").write_text("2")
     m.snapctl("create", "s2")
     with pytest.raises(MirrorError, match="changed since"):
@@ -197,6 +194,34 @@ def mirror_info(path: Path) -> dict:
         return mirrormod.info(store)
     finally:
         store.close()
+
+
+def tamper(store_path: Path) -> None:
+    """Change a store's live tree behind everyone's back (a mirror someone wrote to)."""
+    store = Store.open(store_path)
+    try:
+        with store.write() as txn:
+            live = Live(txn, store.db, snapshots.live_epoch(txn, store.db), store.chunk_size)
+            live.create(S.ROOT_INO, b"stray", stat.S_IFREG | 0o644, 0, 0)
+    finally:
+        store.close()
+
+
+def test_a_mirror_mounts_read_only_until_promoted(spark, mounted, tmp_path):
+    m, mirror = mounted, tmp_path / "mirror"
+    (m.mnt / "f").write_text("1")
+    m.snapctl("create", "s1")
+    send(m, mirror, "s1")
+    mnt = tmp_path / "mm"
+    mnt.mkdir()
+    res = cli("mountfs", "mount", mirror, mnt, check=False)
+    assert res.returncode == 1 and "is a mirror" in res.stderr
+    cli("mountfs", "promote", mirror)
+    promoted = Mount(mirror, mnt).mount()
+    (mnt / "new").write_text("the mirror is a source now")
+    assert (mnt / "f").read_text() == "1"
+    promoted.umount()
+    assert cli("mountfs", "fsck", "-q", mirror, check=False).returncode == 0
 
 
 def test_interrupted_cycle_resumes_without_resending(spark, mounted, tmp_path):
@@ -300,11 +325,7 @@ def test_incompatible_mirrors_are_refused(spark, mounted, tmp_path):
         send(m, other_chunks, "s1")
     not_empty = tmp_path / "not-empty"
     Store.mkfs(not_empty)
-    mnt = tmp_path / "ne"
-    mnt.mkdir()
-    writable = Mount(not_empty, mnt).mount()
-    (mnt / "stranger").write_text("y")
-    writable.umount()
+    tamper(not_empty)
     with pytest.raises(MirrorError, match="not empty"):
         send(m, not_empty, "s1")
     foreign = tmp_path / "foreign"

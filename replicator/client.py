@@ -1,0 +1,82 @@
+"""The client side of an ``http(s)://`` mirror (see replicator.server for the API)."""
+
+from __future__ import annotations
+
+import httpx
+
+from mountfs.store import StoreError
+
+from .changeset import Changeset
+from .mirror import MirrorError, SnapshotRef
+from .server import compress, compress_json, pack_frames
+
+TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=10.0)
+
+
+def _client(url: str, token: str | None) -> httpx.Client:
+    if not token:
+        raise StoreError("no token for the mirror: pass --token-file FILE or set "
+                         "MOUNTFS_TOKEN")
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
+                        timeout=TIMEOUT, verify=True)
+
+
+def _call(client: httpx.Client, method: str, path: str, body: bytes | None = None):
+    try:
+        res = client.request(method, path, content=body)
+    except httpx.HTTPError as e:
+        raise MirrorError(f"cannot reach the mirror at {client.base_url}: {e}") from None
+    if res.status_code == 401:
+        raise MirrorError(f"the mirror at {client.base_url} refused the token (401)")
+    if res.status_code >= 400:
+        try:
+            msg = res.json()["error"]
+        except (ValueError, KeyError):
+            msg = res.text[:200]
+        raise MirrorError(f"mirror: {msg}")
+    return res
+
+
+class HttpSink:
+    """What a Spark task uses to stage chunks on the receiver (picklable: it holds only the
+    URL and the token, and opens its own connection)."""
+
+    def __init__(self, url: str, token: str):
+        self.url = url
+        self.token = token
+
+    def put(self, chunks) -> tuple[int, int]:
+        with _client(self.url, self.token) as client:
+            reply = _call(client, "POST", "/v1/chunks", pack_frames(chunks)).json()
+        return reply["stored"], reply["bytes"]
+
+
+class HttpMirror:
+    """A mirror behind ``mountfs serve-mirror``."""
+
+    def __init__(self, url: str, token: str | None):
+        self.url = url.rstrip("/")
+        self.client = _client(self.url, token)
+        self.sink = HttpSink(self.url, token)
+
+    def info(self) -> dict:
+        return _call(self.client, "GET", "/v1/info").json()
+
+    def missing(self, digests: list[bytes]) -> list[bytes]:
+        body = compress(b"".join(digests))
+        raw = _call(self.client, "POST", "/v1/missing", body).content
+        return [raw[i:i + 32] for i in range(0, len(raw), 32)]
+
+    def commit(self, source_uuid: bytes, base_uuid: str | None, snap: SnapshotRef,
+               cs: Changeset) -> None:
+        _call(self.client, "POST", "/v1/commit", compress_json({
+            "source_uuid": source_uuid.hex(), "base_uuid": base_uuid,
+            "snapshot": {"name": snap.name, "uuid": snap.uuid, "created_ns": snap.created_ns},
+            "changeset": cs.to_json()}))
+
+    def rollback_to(self, base_uuid: str) -> None:
+        _call(self.client, "POST", "/v1/rollback", compress_json({"base_uuid": base_uuid}))
+
+    def close(self) -> None:
+        self.client.close()
+
