@@ -318,14 +318,16 @@ def restore(ctx, name, path, dest, force):
               help="Spark master (spark://, yarn, k8s://); default: embedded local[*].")
 @click.option("--token-file", type=click.Path(dir_okay=False),
               help="Bearer token for an http(s) mirror (else $MOUNTFS_TOKEN).")
+@click.option("--ca-file", type=click.Path(dir_okay=False),
+              help="Trust only this CA certificate for an https mirror (self-signed).")
 @click.option("--batch-size", default="32M", show_default=True,
               help="Bytes of chunks per Spark task (K, M, G suffixes).")
 @click.option("--stall-timeout", default=300.0, show_default=True, metavar="SECONDS",
               help="Cancel a transfer that makes no progress for this long (rerun resumes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.pass_context
-def replicate(ctx, mirror_url, name, force, spark_master, token_file, batch_size, stall_timeout,
-              as_json):
+def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, batch_size,
+              stall_timeout, as_json):
     """Send a snapshot to a mirror: only what changed since the newest snapshot both hold.
 
     Renames and deletes, creates and modifies, then the snapshot of the same name, are
@@ -345,7 +347,8 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, batch_size
         source = Store.open(target.store, readonly=True, lock=False)
         chunk_size = source.chunk_size
         source.close()
-        mirror = open_mirror(mirror_url, chunk_size, token=_token(token_file))
+        mirror = open_mirror(mirror_url, chunk_size, token=_token(token_file),
+                             ca_file=ca_file)
         try:
             with _progress_bar(not as_json) as progress:
                 result = run_cycle(target.store, mirror, name, force=force,

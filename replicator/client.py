@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+
 import httpx
 
 from mountfs.store import StoreError
@@ -13,12 +15,22 @@ from .server import compress, compress_json, pack_frames
 TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=10.0)
 
 
-def _client(url: str, token: str | None) -> httpx.Client:
+def _client(url: str, token: str | None, ca_file: str | None) -> httpx.Client:
     if not token:
         raise StoreError("no token for the mirror: pass --token-file FILE or set "
                          "MOUNTFS_TOKEN")
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
-                        timeout=TIMEOUT, verify=True)
+                        timeout=TIMEOUT, verify=_tls_context(ca_file))
+
+
+def _tls_context(ca_file: str | None) -> ssl.SSLContext | bool:
+    """The system's trust store, or only ``ca_file`` (a self-signed receiver's cert)."""
+    if ca_file is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        raise StoreError(f"cannot use CA file {ca_file}: {e}") from None
 
 
 def _call(client: httpx.Client, method: str, path: str, body: bytes | None = None):
@@ -41,12 +53,13 @@ class HttpSink:
     """What a Spark task uses to stage chunks on the receiver (picklable: it holds only the
     URL and the token, and opens its own connection)."""
 
-    def __init__(self, url: str, token: str):
+    def __init__(self, url: str, token: str, ca_file: str | None):
         self.url = url
         self.token = token
+        self.ca_file = ca_file
 
     def put(self, chunks) -> tuple[int, int]:
-        with _client(self.url, self.token) as client:
+        with _client(self.url, self.token, self.ca_file) as client:
             reply = _call(client, "POST", "/v1/chunks", pack_frames(chunks)).json()
         return reply["stored"], reply["bytes"]
 
@@ -54,10 +67,10 @@ class HttpSink:
 class HttpMirror:
     """A mirror behind ``mountfs serve-mirror``."""
 
-    def __init__(self, url: str, token: str | None):
+    def __init__(self, url: str, token: str | None, ca_file: str | None = None):
         self.url = url.rstrip("/")
-        self.client = _client(self.url, token)
-        self.sink = HttpSink(self.url, token)
+        self.client = _client(self.url, token, ca_file)
+        self.sink = HttpSink(self.url, token, ca_file)
 
     def info(self) -> dict:
         return _call(self.client, "GET", "/v1/info").json()

@@ -12,7 +12,8 @@ from . import mirror
 from .changeset import Changeset
 
 
-def open_mirror(url: str, chunk_size: int, token: str | None = None):
+def open_mirror(url: str, chunk_size: int, token: str | None = None,
+                ca_file: str | None = None):
     """The mirror at ``url``; a ``file://`` mirror that does not exist yet is created with
     the source's chunk size."""
     parsed = urlparse(url)
@@ -20,7 +21,7 @@ def open_mirror(url: str, chunk_size: int, token: str | None = None):
         return LocalMirror(Path(parsed.path), chunk_size)
     if parsed.scheme in ("http", "https"):
         from .client import HttpMirror
-        return HttpMirror(url, token)
+        return HttpMirror(url, token, ca_file)
     raise StoreError(f"unsupported mirror URL {url!r}: use file:///path or http(s)://host:port")
 
 

@@ -12,9 +12,11 @@ per process and reused by later cycles (the daemon keeps it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -49,9 +51,31 @@ def spark_session(master: str | None = None):
                        .config("spark.python.worker.reuse", "true")
                        .config("spark.driver.extraJavaOptions", QUIET_LOGGING)
                        .config("spark.executor.extraJavaOptions", QUIET_LOGGING))
-            _session = builder.getOrCreate()
+            with _stderr_to(spark_log_path()):
+                _session = builder.getOrCreate()
             _session.sparkContext.setLogLevel("ERROR")
         return _session
+
+
+def spark_log_path() -> str:
+    """Where the Spark JVM and its Python workers write their own output: a file, so that
+    the command line shows only mountfs's messages ($MOUNTFS_SPARK_LOG to choose)."""
+    return os.environ.get("MOUNTFS_SPARK_LOG") or os.path.join(
+        tempfile.gettempdir(), f"mountfs-spark-{os.getuid()}.log")
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str):
+    """Point file descriptor 2 at ``path`` while the JVM starts (it inherits it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
 
 
 def batches(chunks: list[tuple[bytes, int]], batch_bytes: int = DEFAULT_BATCH_BYTES,

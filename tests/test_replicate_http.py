@@ -1,0 +1,204 @@
+"""Replication to a receiver on loopback: ``mountfs serve-mirror`` for real, in its own
+process, reached over HTTP and HTTPS with a bearer token."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mountfs.store import Store
+from replicator.client import HttpMirror
+from replicator.cycle import replicate
+from replicator.mirror import MirrorError
+
+from conftest import Mount
+from test_replicate import assert_mirror_equals, populate, churn, spark  # noqa: F401
+
+TOKEN = "s3cret-token-for-tests-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Receiver:
+    """A ``mountfs serve-mirror`` process on a loopback port."""
+
+    def __init__(self, store: Path, token_file: Path, tls: tuple[Path, Path] | None = None):
+        self.store, self.token_file, self.tls = store, token_file, tls
+        self.port = free_port()
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self) -> "Receiver":
+        args = [sys.executable, "-m", "mountfs.cli", "serve-mirror", str(self.store),
+                "--listen", f"127.0.0.1:{self.port}", "--token-file", str(self.token_file)]
+        if self.tls:
+            args += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"serve-mirror exited: {self.proc.stderr.read()}")
+                assert time.monotonic() < deadline, "serve-mirror did not start listening"
+                time.sleep(0.1)
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+
+@pytest.fixture
+def receiver(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    started = []
+
+    def start(tls=None) -> Receiver:
+        r = Receiver(tmp_path / "mirror", token_file, tls).start()
+        started.append(r)
+        return r
+    yield start
+    for r in started:
+        r.stop()
+
+
+def send(m: Mount, url: str, snapshot: str, token=TOKEN, ca_file=None, **kw):
+    mirror = HttpMirror(url, token, ca_file=ca_file)
+    try:
+        return replicate(str(m.store), mirror, snapshot, **kw)
+    finally:
+        mirror.close()
+
+
+def test_full_and_incremental_over_http(spark, mounted, receiver, tmp_path):
+    m = mounted
+    r = receiver()
+    populate(m.mnt)
+    m.snapctl("create", "s1")
+    first = send(m, r.url, "s1")
+    assert first.base is None and first.bytes_sent > 0
+    churn(m.mnt)
+    m.snapctl("create", "s2")
+    second = send(m, r.url, "s2")
+    assert second.base == "s1"
+    r.stop()
+    assert_mirror_equals(m, tmp_path / "mirror", "s1", tmp_path, latest=False)
+    assert_mirror_equals(m, tmp_path / "mirror", "s2", tmp_path)
+
+
+@pytest.mark.parametrize("token", [None, "", "wrong-token-wrong-token"])
+def test_a_missing_or_wrong_token_gets_401_and_changes_nothing(mounted, receiver, token):
+    r = receiver()
+    headers = {"Authorization": f"Bearer {token}".strip()} if token is not None else {}
+    for method, path in [("GET", "/v1/info"), ("POST", "/v1/chunks"), ("POST", "/v1/commit"),
+                         ("POST", "/v1/rollback"), ("POST", "/v1/missing")]:
+        res = httpx.request(method, r.url + path, headers=headers, content=b"x")
+        assert res.status_code == 401, (method, path)
+    if token:
+        with pytest.raises(MirrorError, match="refused the token"):
+            HttpMirror(r.url, token).info()
+    r.stop()
+    store = Store.open(r.store, readonly=True, lock=False)
+    with store.read() as txn:
+        assert txn.stat(store.db["staged"])["entries"] == 0
+        assert txn.stat(store.db["snaps"])["entries"] == 0
+    store.close()
+
+
+def test_unreachable_mirror_is_a_clear_error(mounted):
+    mounted.snapctl("create", "s1")
+    with pytest.raises(MirrorError, match="cannot reach the mirror"):
+        send(mounted, f"http://127.0.0.1:{free_port()}", "s1")
+
+
+def test_malformed_requests_are_refused(receiver):
+    r = receiver()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    res = httpx.post(r.url + "/v1/chunks", headers=auth, content=b"not zstd")
+    assert res.status_code == 409 and "zstd" in res.json()["error"]
+    res = httpx.post(r.url + "/v1/commit", headers=auth,
+                     content=__import__("zstandard").ZstdCompressor().compress(b"{}"))
+    assert res.status_code == 400 and "malformed" in res.json()["error"]
+
+
+def test_receiver_killed_mid_transfer_then_resumed(mounted, receiver, tmp_path):
+    m = mounted
+    for i in range(24):
+        (m.mnt / f"f{i}").write_bytes(os.urandom(1 << 20))
+    m.snapctl("create", "s1")
+    r = receiver()
+    token_file = tmp_path / "token"
+    proc = subprocess.Popen([sys.executable, "-m", "mountfs.snapctl", "-m", str(m.mnt),
+                             "replicate", "--to", r.url, "--token-file", str(token_file),
+                             "--snapshot", "s1", "--batch-size", "1M"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while staged(r.store) == 0:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the transfer never started"
+        time.sleep(0.05)
+    r.kill9()                                          # the link (and the receiver) die
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert err.startswith("snapctl: ") and "Traceback" not in err
+    kept = staged(r.store)
+    assert kept > 0
+    r2 = receiver()
+    result = send(m, r2.url, "s1")
+    assert result.bytes_sent <= (24 - kept) * (1 << 20)
+    r2.stop()
+    assert_mirror_equals(m, tmp_path / "mirror", "s1", tmp_path)
+
+
+def staged(store_path: Path) -> int:
+    try:
+        store = Store.open(store_path, readonly=True, lock=False)
+    except Exception:
+        return 0
+    try:
+        with store.read() as txn:
+            return txn.stat(store.db["staged"])["entries"]
+    finally:
+        store.close()
+
+
+def test_https_with_a_self_signed_certificate(spark, mounted, receiver, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    r = receiver(tls=(cert, key))
+    (mounted.mnt / "f").write_text("over tls")
+    mounted.snapctl("create", "s1")
+    with pytest.raises(MirrorError, match="cannot reach"):      # unknown CA: refused
+        send(mounted, r.url, "s1")
+    assert send(mounted, r.url, "s1", ca_file=str(cert)).bytes_sent == len("over tls")
+    info = HttpMirror(r.url, TOKEN, ca_file=str(cert)).info()
+    assert [s["name"] for s in info["snapshots"]] == ["s1"]
