@@ -173,7 +173,7 @@ class Engine:
             await trio.sleep(0)
         if token is None:
             return
-        for dbname in S.VERSIONED_DBS + gc.LOGS:
+        for dbname in gc.RECLAIMED:
             start = None
             while True:
                 start = await self.mutate_in_thread(gc.batch, self.db, self.chunk_size,

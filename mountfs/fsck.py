@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
+from . import buckets
 from . import schema as S
 from .namespace import View
 from .snapshots import list_all, live_epoch
@@ -54,9 +55,21 @@ def check(store: Store, progress=None) -> Report:
                         f"snapshot {snap.name}", live=False)
         say("checking the live tree")
         _check_tree(View(txn, dbs, live, store.chunk_size), report, "live tree", live=True)
+        say("checking bucket hashes")
+        for name, epoch in [(f"snapshot {s.name}", s.epoch) for s in snaps] + \
+                [("live tree", live)]:
+            _check_buckets(txn, dbs, epoch, store.bucket_count, name, report)
         say("checking chunk data")
         _check_chunks(txn, dbs, store.chunk_size, report)
     return report
+
+
+def _check_buckets(txn, dbs, epoch: int, count: int, where: str, report: Report) -> None:
+    """The incrementally kept bucket hashes must equal those recomputed from the items."""
+    kept = buckets.at(txn, dbs, epoch, count)
+    for b, (have, want) in enumerate(zip(kept, buckets.compute(txn, dbs, epoch, count))):
+        if have != want:
+            report.problems.append(f"{where}: bucket {b} hash does not match its items")
 
 
 def _check_meta(txn, dbs, live: int, snaps, report: Report) -> None:

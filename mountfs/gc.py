@@ -84,6 +84,7 @@ def _drop(live: Live, dbname: str, base: bytes, epoch: int, value: bytes) -> Non
 
 
 LOGS = ("changelog", "chunklog")
+RECLAIMED = S.VERSIONED_DBS + ("buckets",) + LOGS      # every table with per-epoch records
 
 
 def trim_logs_batch(txn, dbs, dbname: str, start: bytes | None,
@@ -152,7 +153,7 @@ def run_to_completion(store) -> None:
         token = reclaim_token(txn, store.db)
     if token is None:
         return
-    for dbname in S.VERSIONED_DBS + LOGS:
+    for dbname in RECLAIMED:
         start = None
         while True:
             with store.write() as txn:

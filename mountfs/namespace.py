@@ -26,7 +26,7 @@ class FsError(Exception):
 def make_root(txn, dbs, uid: int, gid: int) -> None:
     now = time.time_ns()
     root = S.Inode(stat.S_IFDIR | 0o755, uid, gid, 2, 0, now, now, now, 0, 1)
-    txn.put(S.inode_key(S.ROOT_INO) + S.inv(1), root.pack(), db=dbs["inodes"])
+    put_live(txn, dbs["inodes"], S.inode_key(S.ROOT_INO), root.pack(), 1)
 
 
 class View:

@@ -20,7 +20,8 @@ Sub-databases (``DB_*`` below)
 meta      unversioned  b'format' -> u32 FORMAT_VERSION, b'chunk_size' -> u32,
                        b'live_epoch' -> u64, b'next_ino' -> u64, b'next_snap_id' -> u64,
                        b'uuid' -> 16 bytes (the store's identity),
-                       b'written' + epoch:u64 -> u64 (chunk bytes written in that epoch)
+                       b'written' + epoch:u64 -> u64 (chunk bytes written in that epoch),
+                       b'bucket_count' -> u32 (K, the number of hash buckets)
                        on a mirror: b'mirror_of' -> the source store's uuid,
                        b'rolled_back_to' -> epoch:u64 + snapshot uuid (replicate --force)
 inodes    versioned    ino:u64 -> INODE struct + name + symlink target (the record names one
@@ -44,6 +45,8 @@ orphans   unversioned  ino:u64 -> b''   (live inodes with nlink 0 still open by 
                        deleted at the next mount if the process died)
 purge     unversioned  ino:u64 -> b''   (deleted inodes whose chunk map still has live
                        versions to tombstone; worked off in the background)
+buckets   versioned    bucket:u32 -> 32-byte XOR of the item hashes in that bucket (see
+                       buckets.py: what two stores compare to find where they differ)
 staged    unversioned  digest:32 -> b''   (a mirror's chunks received for a replication
                        cycle that has not committed yet: in ``blobs`` with no ``refs``; kept
                        so that a re-run does not re-send them, dropped by the next commit)
@@ -69,7 +72,7 @@ NAME_MAX = 255
 
 DB_NAMES = (
     "meta", "inodes", "dirents", "chunks", "chunklog", "changelog", "xattrs", "parents",
-    "blobs", "refs", "snaps", "snapepochs", "orphans", "purge", "staged",
+    "blobs", "refs", "snaps", "snapepochs", "orphans", "purge", "staged", "buckets",
 )
 VERSIONED_DBS = ("inodes", "dirents", "chunks", "xattrs")
 

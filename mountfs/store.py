@@ -23,6 +23,7 @@ from typing import Iterator
 
 import lmdb
 
+from . import buckets
 from . import schema as S
 
 MAP_SIZE = 1 << 43          # address space only (8 TiB); the file grows with the data
@@ -53,6 +54,8 @@ class Store:
         self.readonly = readonly
         self.db = {name: env.open_db(name.encode(), create=False) for name in S.DB_NAMES}
         with env.begin() as txn:
+            self.bucket_count = buckets.count_of(txn, self.db)
+            buckets.track(self.db, self.bucket_count)
             self.chunk_size = S.U32.unpack(txn.get(b"chunk_size", db=self.db["meta"]))[0]
             self.uuid = bytes(txn.get(b"uuid", db=self.db["meta"]))
             mirror_of = txn.get(b"mirror_of", db=self.db["meta"])
@@ -86,6 +89,8 @@ class Store:
                 txn.put(b"next_ino", S.u64(S.ROOT_INO + 1), db=meta)
                 txn.put(b"next_snap_id", S.u64(1), db=meta)
                 txn.put(b"uuid", uuidlib.uuid4().bytes, db=meta)
+                txn.put(b"bucket_count", S.U32.pack(buckets.DEFAULT_COUNT), db=meta)
+                buckets.track(dbs, buckets.DEFAULT_COUNT)
                 make_root(txn, dbs, os.getuid(), os.getgid())
             env.sync(True)
         finally:
@@ -234,8 +239,13 @@ def get_at(txn, db, base: bytes, epoch: int):
 
 def put_live(txn, db, base: bytes, value: bytes, live: int) -> bytes | None:
     """Write ``value`` as the live version of ``base``: overwrites a version made in the live
-    epoch (returning the value it replaced, for reference counting), else adds a version."""
+    epoch (returning the value it replaced, for reference counting), else adds a version.
+    Keeps the bucket hashes of tracked tables current."""
     key = base + S.inv(live)
+    if buckets.is_tracked(db):
+        visible = get_at(txn, db, base, live)
+        buckets.changed(txn, db, base, bytes(visible) if visible is not None else None,
+                        value, live)
     old = txn.get(key, db=db)
     old = bytes(old) if old is not None else None
     txn.put(key, value, db=db)
@@ -253,6 +263,8 @@ def delete_live(txn, db, base: bytes, live: int) -> tuple[bool, bytes | None]:
     if len(k) != len(key) or k[:len(base)] != base:
         return False, None
     value = bytes(cur.value())
+    if value and buckets.is_tracked(db):
+        buckets.changed(txn, db, base, value, None, live)
     if S.epoch_of_key(k) != live:
         if not value:
             return False, None

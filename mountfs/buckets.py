@@ -1,0 +1,119 @@
+"""Bucket hashes (the hbr paper): a summary of a store's state that two stores can compare
+in K hashes, however large they are.
+
+Every *item* (an inode record, a directory entry, a chunk-map leaf, an xattr) is hashed with
+blake3 over its identity and value, and XOR-combined into bucket ``ino % K`` (the inode it
+belongs to; a directory's entries belong to the directory). XOR makes the combination
+order-free and incremental: changing an item XORs out its old hash and XORs in the new one.
+
+The buckets are versioned records like the items (one version per epoch), so every snapshot
+has its bucket hashes for free and a snapshot stays O(1). ``store.put_live`` and
+``store.delete_live`` (the only writers of versioned items) keep them current through
+``changed``; ``compute`` recomputes them from the items themselves (fsck, verify --full).
+
+An item's hash leaves out what legitimately differs between a source and its mirror: the
+``mepoch`` of an inode record (each store counts its own epochs).
+"""
+
+from __future__ import annotations
+
+import blake3
+
+from . import schema as S
+
+DEFAULT_COUNT = 1024
+ZERO = bytes(32)
+KINDS = {"inodes": b"i", "dirents": b"d", "chunks": b"c", "xattrs": b"x"}
+_MEPOCH = slice(56, 64)          # the mepoch field in a packed inode record (schema._INODE)
+
+# lmdb database handle -> (item kind, the buckets database, bucket count), per open store
+_tracked: dict = {}
+
+
+def track(dbs: dict, count: int) -> None:
+    """Make put_live/delete_live maintain the buckets of the store whose tables are ``dbs``."""
+    for name, kind in KINDS.items():
+        _tracked[dbs[name]] = (kind, dbs["buckets"], count)
+
+
+def is_tracked(db) -> bool:
+    return db in _tracked
+
+
+def item_hash(kind: bytes, base: bytes, value: bytes) -> bytes:
+    value = bytes(value)
+    if kind == b"i":
+        value = value[:_MEPOCH.start] + bytes(8) + value[_MEPOCH.stop:]
+    return blake3.blake3(kind + bytes(base) + b"\0" + value).digest()
+
+
+def bucket_of(base: bytes, count: int) -> int:
+    return S.from_u64(bytes(base[:8])) % count
+
+
+def xor(a: bytes, b: bytes) -> bytes:
+    return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(32, "little")
+
+
+def changed(txn, db, base: bytes, old, new, live: int) -> None:
+    """Item ``base`` of table ``db`` went from ``old`` to ``new`` (None: absent) in the live
+    epoch: fold the difference into its bucket."""
+    kind, bdb, count = _tracked[db]
+    delta = ZERO
+    if old is not None:
+        delta = item_hash(kind, base, old)
+    if new is not None:
+        delta = xor(delta, item_hash(kind, base, new))
+    if delta == ZERO:
+        return
+    key = bucket_key(bucket_of(base, count))
+    txn.put(key + S.inv(live), xor(read(txn, bdb, key, live), delta), db=bdb)
+
+
+def bucket_key(bucket: int) -> bytes:
+    return S.U32.pack(bucket)
+
+
+def read(txn, bdb, key: bytes, epoch: int) -> bytes:
+    """A bucket's hash at ``epoch`` (the newest version at or below it)."""
+    cur = txn.cursor(bdb)
+    if cur.set_range(key + S.inv(epoch)):
+        k = bytes(cur.key())
+        if k[:4] == key and len(k) == 12:
+            return bytes(cur.value())
+    return ZERO
+
+
+def at(txn, dbs, epoch: int, count: int) -> list[bytes]:
+    """Every bucket's hash at ``epoch`` (K point reads)."""
+    return [read(txn, dbs["buckets"], bucket_key(b), epoch) for b in range(count)]
+
+
+def count_of(txn, dbs) -> int:
+    raw = txn.get(b"bucket_count", db=dbs["meta"])
+    return S.U32.unpack(bytes(raw))[0] if raw is not None else DEFAULT_COUNT
+
+
+def compute(txn, dbs, epoch: int, count: int) -> list[bytes]:
+    """The buckets at ``epoch`` recomputed from every item visible then: O(store), the
+    check that the incremental ones are true."""
+    from .store import iter_visible
+    out = [ZERO] * count
+    for name, kind in KINDS.items():
+        for base, value in iter_visible(txn, dbs[name], b"", epoch, start=b"\0"):
+            b = bucket_of(base, count)
+            out[b] = xor(out[b], item_hash(kind, base, value))
+    return out
+
+
+def items(txn, dbs, epoch: int, count: int, bucket: int, top_ino: int) -> dict[bytes, bytes]:
+    """Every item of one bucket at ``epoch``: identity (kind + key) -> item hash. Visits the
+    inodes ``bucket``, ``bucket + K``, ... below ``top_ino`` (the inode counter)."""
+    from .store import iter_visible
+    out = {}
+    for ino in range(bucket or count, top_ino, count):
+        prefix = S.u64(ino)
+        for name, kind in KINDS.items():
+            for base, value in iter_visible(txn, dbs[name], prefix, epoch):
+                out[kind + bytes(base)] = item_hash(kind, base, value)
+    return out
