@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import ssl
 
 import httpx
@@ -10,7 +11,7 @@ from mountfs.store import StoreError
 
 from .changeset import Changeset
 from .mirror import MirrorError, SnapshotRef
-from .server import compress, compress_json, pack_frames
+from .server import compress, compress_json, decompress, pack_frames
 
 TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=10.0)
 
@@ -89,6 +90,32 @@ class HttpMirror:
 
     def rollback_to(self, base_uuid: str) -> None:
         _call(self.client, "POST", "/v1/rollback", compress_json({"base_uuid": base_uuid}))
+
+    def stage(self, chunks) -> None:
+        self.sink.put(chunks)
+
+    def bucket_hashes(self, snap_uuid: str | None, recompute: bool = False) -> list[bytes]:
+        raw = _call(self.client, "POST", "/v1/buckets",
+                    compress_json({"snapshot": snap_uuid, "recompute": recompute})).content
+        return [raw[i:i + 32] for i in range(0, len(raw), 32)]
+
+    def bucket_items(self, snap_uuid: str | None, wanted: list[int]) -> dict:
+        res = _call(self.client, "POST", "/v1/bucket-items",
+                    compress_json({"snapshot": snap_uuid, "buckets": wanted}))
+        body = json.loads(decompress(res.content))
+        return {int(b): {bytes.fromhex(i): bytes.fromhex(h) for i, h in its.items()}
+                for b, its in body.items()}
+
+    def scrub(self) -> dict[str, list[bytes]]:
+        found = _call(self.client, "POST", "/v1/scrub").json()
+        return {k: [bytes.fromhex(d) for d in v] for k, v in found.items()}
+
+    def replace_chunks(self, chunks) -> None:
+        _call(self.client, "POST", "/v1/replace-chunks", pack_frames(chunks))
+
+    def repair(self, base_uuid: str, cs: Changeset) -> None:
+        _call(self.client, "POST", "/v1/repair",
+              compress_json({"base_uuid": base_uuid, "changeset": cs.to_json()}))
 
     def close(self) -> None:
         self.client.close()

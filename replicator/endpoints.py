@@ -13,12 +13,12 @@ from .changeset import Changeset
 
 
 def open_mirror(url: str, chunk_size: int, token: str | None = None,
-                ca_file: str | None = None):
-    """The mirror at ``url``; a ``file://`` mirror that does not exist yet is created with
-    the source's chunk size."""
+                ca_file: str | None = None, create: bool = True):
+    """The mirror at ``url``; with ``create``, a ``file://`` mirror that does not exist yet
+    is created with the source's chunk size."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
-        return LocalMirror(Path(parsed.path), chunk_size)
+        return LocalMirror(Path(parsed.path), chunk_size, create)
     if parsed.scheme in ("http", "https"):
         from .client import HttpMirror
         return HttpMirror(url, token, ca_file)
@@ -43,9 +43,9 @@ class FileSink:
 class LocalMirror:
     """A mirror store on a local or network path, held under its store lock for the cycle."""
 
-    def __init__(self, path: Path, chunk_size: int):
+    def __init__(self, path: Path, chunk_size: int, create: bool = True):
         path = path.absolute()
-        if not (path / "data.mdb").exists():
+        if create and not (path / "data.mdb").exists():
             if path.exists() and any(path.iterdir()):
                 raise StoreError(f"{path} exists and is not a mountfs store")
             Store.mkfs(path, chunk_size)
@@ -72,6 +72,30 @@ class LocalMirror:
         with self.store.write() as txn:
             mirror.rollback_to(txn, self.store.db, self.store.chunk_size, base_uuid)
         self.store.sync()
+
+    def stage(self, chunks) -> None:
+        with self.store.write() as txn:
+            mirror.stage(txn, self.store.db, chunks)
+
+    def bucket_hashes(self, snap_uuid: str | None, recompute: bool = False) -> list[bytes]:
+        return mirror.bucket_hashes(self.store, snap_uuid, recompute)
+
+    def bucket_items(self, snap_uuid: str | None, wanted: list[int]) -> dict:
+        return mirror.bucket_items(self.store, snap_uuid, wanted)
+
+    def scrub(self) -> dict[str, list[bytes]]:
+        return mirror.scrub(self.store)
+
+    def replace_chunks(self, chunks) -> None:
+        with self.store.write() as txn:
+            mirror.replace_chunks(txn, self.store.db, chunks)
+        self.store.sync()
+
+    def repair(self, base_uuid: str, cs: Changeset) -> None:
+        with self.store.write() as txn:
+            mirror.repair(txn, self.store.db, self.store.chunk_size, base_uuid, cs)
+        self.store.sync()
+        mirror.purge_deleted(self.store)
 
     def close(self) -> None:
         self.store.close()

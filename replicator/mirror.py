@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import blake3
 
-from mountfs import gc
+from mountfs import buckets, gc
 from mountfs import schema as S
 from mountfs import snapshots as snaps
 from mountfs.namespace import FsError, Live, View, add_written, check_name
@@ -87,6 +87,7 @@ def info(store: Store) -> dict:
             "uuid": store.uuid.hex(),
             "mirror_of": bytes(source).hex() if source else None,
             "chunk_size": store.chunk_size,
+            "buckets": store.bucket_count,
             "empty": _is_empty(txn, dbs, live, store.chunk_size),
             "snapshots": [{"name": s.name, "uuid": s.uuid.hex(), "epoch": s.epoch,
                            "created_ns": s.created_ns,
@@ -158,6 +159,12 @@ def rollback_to(txn, dbs, chunk_size: int, base_uuid: str) -> None:
     if base is None:
         raise MirrorError(f"the mirror does not have the base snapshot ({base_uuid})")
     snaps.rollback(txn, dbs, chunk_size, base, force=True)
+    _mark_clean(txn, dbs, base)
+
+
+def _mark_clean(txn, dbs, base: S.Snapshot) -> None:
+    """The live tree was just made equal to ``base``: close the live epoch so that it counts
+    as unchanged since ``base`` until something writes again."""
     epoch = snaps.live_epoch(txn, dbs)
     txn.put(b"rolled_back_to", S.u64(epoch) + base.uuid, db=dbs["meta"])
     txn.put(b"live_epoch", S.u64(epoch + 1), db=dbs["meta"])
@@ -325,3 +332,73 @@ def _check_tree(live: Live, cs: Changeset, arrived_dirs: list[int]) -> None:
                                   "single parent")
             seen.add(ino)
             ino = parents[0]
+
+
+# ---- verification and repair ----------------------------------------------------------------
+
+def epoch_of(txn, dbs, snap_uuid: str | None) -> int:
+    """The epoch to compare at: a snapshot's (by uuid), or the live tree's (None)."""
+    if snap_uuid is None:
+        return snaps.live_epoch(txn, dbs)
+    for s in snaps.list_all(txn, dbs):
+        if s.uuid.hex() == snap_uuid:
+            return s.epoch
+    raise MirrorError(f"the mirror has no snapshot with uuid {snap_uuid}")
+
+
+def bucket_hashes(store: Store, snap_uuid: str | None, recompute: bool = False) -> list[bytes]:
+    """The K bucket hashes at a snapshot or the live tree; ``recompute`` derives them from
+    the items (O(store): finds what the kept ones cannot, tampering beneath the store)."""
+    with store.read() as txn:
+        epoch = epoch_of(txn, store.db, snap_uuid)
+        if recompute:
+            return buckets.compute(txn, store.db, epoch, store.bucket_count)
+        return buckets.at(txn, store.db, epoch, store.bucket_count)
+
+
+def bucket_items(store: Store, snap_uuid: str | None, wanted: list[int]) -> dict:
+    """{bucket: {identity: item hash}} for the buckets in ``wanted``."""
+    with store.read() as txn:
+        epoch = epoch_of(txn, store.db, snap_uuid)
+        top = S.from_u64(txn.get(b"next_ino", db=store.db["meta"]))
+        return {b: buckets.items(txn, store.db, epoch, store.bucket_count, b, top)
+                for b in wanted}
+
+
+def scrub(store: Store) -> dict[str, list[bytes]]:
+    """Every referenced chunk re-read and checked against its digest: O(data)."""
+    missing, corrupt = [], []
+    with store.read() as txn:
+        for digest in txn.cursor(db=store.db["refs"]).iternext(values=False):
+            digest = bytes(digest)
+            data = txn.get(digest, db=store.db["blobs"])
+            if data is None:
+                missing.append(digest)
+            elif blake3.blake3(data).digest() != digest:
+                corrupt.append(digest)
+    return {"missing": missing, "corrupt": corrupt}
+
+
+def replace_chunks(txn, dbs, chunks) -> int:
+    """Write good copies of chunks the mirror references but lost or holds corrupted."""
+    for digest, data in chunks:
+        if blake3.blake3(data).digest() != bytes(digest):
+            raise MirrorError(f"repair chunk {bytes(digest).hex()[:16]} does not match its "
+                              f"digest")
+    for digest, data in chunks:
+        if txn.get(bytes(digest), db=dbs["refs"]) is None:
+            raise MirrorError(f"repair chunk {bytes(digest).hex()[:16]} is not one the "
+                              f"mirror references")
+        txn.put(bytes(digest), data, db=dbs["blobs"])
+    return len(chunks)
+
+
+def repair(txn, dbs, chunk_size: int, base_uuid: str, cs: Changeset) -> None:
+    """Make the live tree equal the source's ``base`` snapshot again (verify --repair): only
+    the newest snapshot, since snapshots themselves are immutable."""
+    newest = snaps.list_all(txn, dbs)[-1:]
+    if not newest or newest[0].uuid.hex() != base_uuid:
+        raise MirrorError("repair works on the mirror's newest snapshot only; older "
+                          "snapshots are immutable")
+    apply(Live(txn, dbs, snaps.live_epoch(txn, dbs), chunk_size), cs)
+    _mark_clean(txn, dbs, newest[0])

@@ -11,6 +11,11 @@ API (version 1; bodies are zstd-compressed):
   POST /v1/chunks               frames of digest:32 + length:u32 + data -> staged, verified
   POST /v1/commit               {"source_uuid", "base_uuid", "snapshot", "changeset"} (JSON)
   POST /v1/rollback             {"base_uuid"} (JSON): discard mirror changes since the base
+  POST /v1/buckets              {"snapshot": uuid or null, "recompute"} -> K hashes, 32 bytes each
+  POST /v1/bucket-items         {"snapshot", "buckets": [..]} -> {bucket: {identity: hash}}
+  POST /v1/scrub                re-read every chunk -> {"missing": [..], "corrupt": [..]}
+  POST /v1/replace-chunks       frames, as /v1/chunks: good copies of lost or corrupt chunks
+  POST /v1/repair               {"base_uuid", "changeset"}: fix the live tree (verify --repair)
 """
 
 from __future__ import annotations
@@ -139,6 +144,37 @@ class Receiver:
         return JSONResponse({"ok": True})
 
 
+    async def buckets(self, request: Request):
+        req = json.loads(decompress(await request.body()))
+        hashes = await self.read(mirror.bucket_hashes, self.store, req["snapshot"],
+                                 bool(req.get("recompute")))
+        return Response(b"".join(hashes), media_type="application/octet-stream")
+
+    async def bucket_items(self, request: Request):
+        req = json.loads(decompress(await request.body()))
+        items = await self.read(mirror.bucket_items, self.store, req["snapshot"],
+                                [int(b) for b in req["buckets"]])
+        body = {str(b): {ident.hex(): h.hex() for ident, h in its.items()}
+                for b, its in items.items()}
+        return Response(compress_json(body), media_type="application/zstd")
+
+    async def scrub(self, request: Request):
+        found = await self.read(mirror.scrub, self.store)
+        return JSONResponse({k: [d.hex() for d in v] for k, v in found.items()})
+
+    async def replace_chunks(self, request: Request):
+        frames = unpack_frames(await request.body())
+        return JSONResponse({"replaced": await self.write(mirror.replace_chunks, frames)})
+
+    async def repair(self, request: Request):
+        req = json.loads(decompress(await request.body()))
+        await self.write(mirror.repair, self.store.chunk_size, req["base_uuid"],
+                         Changeset.from_json(req["changeset"]))
+        async with self.write_lock:
+            await trio.to_thread.run_sync(mirror.purge_deleted, self.store)
+        return JSONResponse({"ok": True})
+
+
 def make_app(receiver: Receiver) -> Starlette:
     def guarded(handler):
         async def endpoint(request: Request):
@@ -158,6 +194,11 @@ def make_app(receiver: Receiver) -> Starlette:
         Route("/v1/chunks", guarded(receiver.chunks), methods=["POST"]),
         Route("/v1/commit", guarded(receiver.commit), methods=["POST"]),
         Route("/v1/rollback", guarded(receiver.rollback), methods=["POST"]),
+        Route("/v1/buckets", guarded(receiver.buckets), methods=["POST"]),
+        Route("/v1/bucket-items", guarded(receiver.bucket_items), methods=["POST"]),
+        Route("/v1/scrub", guarded(receiver.scrub), methods=["POST"]),
+        Route("/v1/replace-chunks", guarded(receiver.replace_chunks), methods=["POST"]),
+        Route("/v1/repair", guarded(receiver.repair), methods=["POST"]),
     ])
 
 

@@ -202,3 +202,28 @@ def test_https_with_a_self_signed_certificate(spark, mounted, receiver, tmp_path
     assert send(mounted, r.url, "s1", ca_file=str(cert)).bytes_sent == len("over tls")
     info = HttpMirror(r.url, TOKEN, ca_file=str(cert)).info()
     assert [s["name"] for s in info["snapshots"]] == ["s1"]
+
+
+def test_verify_and_repair_over_http(spark, mounted, receiver, tmp_path):
+    from replicator.verify import verify
+    from test_verify import tamper_live
+    m = mounted
+    (m.mnt / "dir").mkdir()
+    for i in range(8):
+        (m.mnt / "dir" / f"f{i}").write_bytes(os.urandom(20_000))
+    m.snapctl("create", "s1")
+    r = receiver()
+    send(m, r.url, "s1")
+    r.stop()
+    tamper_live(tmp_path / "mirror")
+    r = receiver()
+    mirror = HttpMirror(r.url, TOKEN)
+    try:
+        found = verify(str(m.store), mirror)
+        assert not found.clean and found.mismatched["snapshot"] == 0
+        repaired = verify(str(m.store), mirror, repair=True)
+        assert repaired.repaired and repaired.clean
+    finally:
+        mirror.close()
+    r.stop()
+    assert_mirror_equals(m, tmp_path / "mirror", "s1", tmp_path)
