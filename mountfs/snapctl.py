@@ -429,7 +429,7 @@ def _token(token_file: str | None) -> str | None:
 
 
 class _progress_bar:
-    """A progress bar on stderr over chunk batches, when stderr is a terminal."""
+    """Bytes sent, rate and ETA on stderr (tqdm), when stderr is a terminal."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and sys.stderr.isatty()
@@ -438,17 +438,16 @@ class _progress_bar:
     def __enter__(self):
         return self.update if self.enabled else None
 
-    def update(self, done: int, total: int) -> None:
+    def update(self, done_bytes: int, total_bytes: int, chunks: int) -> None:
         if self.bar is None:
-            self.bar = click.progressbar(length=total, label="sending chunk batches",
-                                         file=sys.stderr, show_eta=True, show_pos=True)
-            self.bar.__enter__()
-        self.bar.update(done - self.bar.pos)
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                            desc=f"sending {chunks} chunks", file=sys.stderr, leave=False)
+        self.bar.update(done_bytes - self.bar.n)
 
     def __exit__(self, *exc):
         if self.bar is not None:
-            self.bar.__exit__(*exc)
-
+            self.bar.close()
 
 if __name__ == "__main__":
     main()

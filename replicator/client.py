@@ -82,9 +82,9 @@ class HttpMirror:
         return [raw[i:i + 32] for i in range(0, len(raw), 32)]
 
     def commit(self, source_uuid: bytes, base_uuid: str | None, snap: SnapshotRef,
-               cs: Changeset) -> None:
+               cs: Changeset, reconcile: bool = False) -> None:
         _call(self.client, "POST", "/v1/commit", compress_json({
-            "source_uuid": source_uuid.hex(), "base_uuid": base_uuid,
+            "source_uuid": source_uuid.hex(), "base_uuid": base_uuid, "reconcile": reconcile,
             "snapshot": {"name": snap.name, "uuid": snap.uuid, "created_ns": snap.created_ns},
             "changeset": cs.to_json()}))
 

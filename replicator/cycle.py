@@ -3,7 +3,8 @@
 1. base: the newest source snapshot older than the one being sent whose uuid the mirror
    holds (none: a full first copy into an empty mirror);
 2. the mirror must not have changed since its copy of the base (O(1): its root's mepoch);
-   ``force`` rolls it back to the base first;
+   ``force`` rolls it back to the base first. Without a common snapshot, a mirror that is
+   not empty (a lost base, seeded another way) is reconciled by bucket hashes instead;
 3. the changeset base -> snapshot, from the epoch-pruned diff;
 4. the mirror says which chunk digests it lacks; only those travel (Spark);
 5. one commit on the mirror: the changeset and the snapshot of the same name and uuid.
@@ -23,6 +24,7 @@ from mountfs.store import Store, StoreError
 
 from . import changeset, transfer
 from .mirror import MirrorError, SnapshotRef
+from .verify import reconcile
 
 
 @dataclass
@@ -69,12 +71,16 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
                 raise MirrorError(f"the mirror has changed since its copy of {base.name!r}; "
                                   f"pass --force to roll it back to {base.name!r}")
             mirror.rollback_to(base.uuid.hex())
-        if base is None and not info["empty"]:
-            raise MirrorError("the mirror shares no snapshot with this source and is not "
-                              "empty; replicate into an empty mirror")
-        with source.read() as txn:
-            cs = changeset.build(txn, source.db, source.chunk_size,
-                                 base.epoch if base else None, snap.epoch)
+        reconciling = base is None and not info["empty"]
+        if reconciling:
+            if info["buckets"] != source.bucket_count:
+                raise MirrorError("the mirror shares no snapshot with this source and keeps "
+                                  "another number of buckets; replicate into an empty mirror")
+            cs = reconcile(source, mirror, snap)
+        else:
+            with source.read() as txn:
+                cs = changeset.build(txn, source.db, source.chunk_size,
+                                     base.epoch if base else None, snap.epoch)
         wanted = cs.digests()
         lacking = mirror.missing(list(wanted))
         todo = [(d, wanted[d]) for d in lacking]
@@ -82,8 +88,9 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
                              transfer.batches(todo, batch_bytes), master=master,
                              stall_seconds=stall_seconds, progress=progress)
         mirror.commit(source.uuid, base.uuid.hex() if base else None,
-                      SnapshotRef(snap.name, snap.uuid.hex(), snap.created_ns), cs)
-        entries = sum(cs.report.values()) if base else len(cs.entries)
+                      SnapshotRef(snap.name, snap.uuid.hex(), snap.created_ns), cs,
+                      reconcile=reconciling)
+        entries = sum(cs.report.values()) if base else len(cs.entries) + len(cs.inodes)
         return CycleResult(snap.name, base.name if base else None, entries, sent.chunks,
                            sent.bytes, sum(wanted.values()) - sent.bytes,
                            time.monotonic() - started)

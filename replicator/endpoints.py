@@ -60,10 +60,10 @@ class LocalMirror:
             return mirror.missing(txn, self.store.db, digests)
 
     def commit(self, source_uuid: bytes, base_uuid: str | None, snap: mirror.SnapshotRef,
-               cs: Changeset) -> None:
+               cs: Changeset, reconcile: bool = False) -> None:
         with self.store.write() as txn:
             mirror.commit(txn, self.store.db, self.store.chunk_size, source_uuid, base_uuid,
-                          snap, cs)
+                          snap, cs, reconcile)
         self.store.sync()
         mirror.purge_deleted(self.store)
         self.store.sync()

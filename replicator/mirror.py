@@ -104,11 +104,12 @@ def _is_empty(txn, dbs, live: int, chunk_size: int) -> bool:
 # ---- committing a cycle -------------------------------------------------------------------
 
 def commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
-           snapshot: SnapshotRef, cs: Changeset) -> S.Snapshot:
+           snapshot: SnapshotRef, cs: Changeset, reconcile: bool = False) -> S.Snapshot:
     """Check the preconditions, apply ``cs`` and take ``snapshot``, in the caller's one
-    write transaction (an exception aborts all of it)."""
+    write transaction (an exception aborts all of it). ``reconcile``: there is no base and
+    ``cs`` was computed against the mirror's live tree by bucket comparison."""
     live_epoch = snaps.live_epoch(txn, dbs)
-    _check_base(txn, dbs, chunk_size, live_epoch, source_uuid, base_uuid)
+    _check_base(txn, dbs, chunk_size, live_epoch, source_uuid, base_uuid, reconcile)
     for s in snaps.list_all(txn, dbs):
         if s.name == snapshot.name or s.uuid.hex() == snapshot.uuid:
             raise MirrorError(f"the mirror already has snapshot {s.name!r}")
@@ -122,13 +123,13 @@ def commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
 
 
 def _check_base(txn, dbs, chunk_size: int, live_epoch: int, source_uuid: bytes,
-                base_uuid: str | None) -> None:
+                base_uuid: str | None, reconcile: bool) -> None:
     mirror_of = txn.get(b"mirror_of", db=dbs["meta"])
     if mirror_of is not None and bytes(mirror_of) != source_uuid:
         raise MirrorError(f"the mirror holds another store ({bytes(mirror_of).hex()}), "
                           f"not this source ({source_uuid.hex()})")
     if base_uuid is None:
-        if not _is_empty(txn, dbs, live_epoch, chunk_size):
+        if not reconcile and not _is_empty(txn, dbs, live_epoch, chunk_size):
             raise MirrorError("the mirror is not empty and shares no snapshot with the "
                               "source; a full copy needs an empty mirror")
         return

@@ -132,7 +132,8 @@ class Receiver:
         snap = mirror.SnapshotRef(**req["snapshot"])
         cs = Changeset.from_json(req["changeset"])
         await self.write(mirror.commit, self.store.chunk_size,
-                         bytes.fromhex(req["source_uuid"]), req["base_uuid"], snap, cs)
+                         bytes.fromhex(req["source_uuid"]), req["base_uuid"], snap, cs,
+                         bool(req.get("reconcile")))
         async with self.write_lock:
             await trio.to_thread.run_sync(mirror.purge_deleted, self.store)
         log.info("committed snapshot %s (%d entries)", snap.name, len(cs.entries))

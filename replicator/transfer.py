@@ -102,11 +102,12 @@ class Sent:
 
 def send(source: str, sink, chunk_batches: list, master: str | None = None,
          stall_seconds: float = DEFAULT_STALL_SECONDS,
-         progress: Callable[[int, int], None] | None = None) -> Sent:
+         progress: Callable[[int, int, int], None] | None = None) -> Sent:
     """Run the Spark job: every batch read from ``source`` (a store path) and staged through
     ``sink`` (a picklable object with ``put(list of (digest, data)) -> (chunks, bytes)``).
-    ``progress(done_batches, total_batches)`` is called as batches finish. A job in which no
-    batch finishes for ``stall_seconds`` is cancelled (TransferStalled); what arrived stays."""
+    ``progress(bytes done, bytes in all, chunks in all)`` is called as batches finish. A job
+    in which no batch finishes for ``stall_seconds`` is cancelled (TransferStalled); what
+    arrived stays."""
     if not chunk_batches:
         return Sent()
     spark = spark_session(master)
@@ -124,7 +125,11 @@ def send(source: str, sink, chunk_batches: list, master: str | None = None,
 
     worker = threading.Thread(target=run, name="spark-transfer", daemon=True)
     worker.start()
-    _watch(sc, group, worker, len(chunk_batches), stall_seconds, progress)
+    sizes = [sum(n for _, n in batch) for batch in chunk_batches]
+    chunks = sum(len(batch) for batch in chunk_batches)
+    report = (lambda done: progress(sum(sizes[:done]), sum(sizes), chunks)) if progress \
+        else None
+    _watch(sc, group, worker, len(chunk_batches), stall_seconds, report)
     if "error" in result:
         raise TransferFailed(_spark_message(result["error"])) from result["error"]
     sent = Sent()
@@ -151,14 +156,14 @@ def _watch(sc, group, worker, total, stall_seconds, progress) -> None:
         if now_done != done:
             done, last_change = now_done, time.monotonic()
             if progress:
-                progress(min(done, total), total)
+                progress(min(done, total))
         elif time.monotonic() - last_change > stall_seconds:
             sc.cancelJobGroup(group)
             worker.join()
             raise TransferStalled(f"no chunk batch finished in {stall_seconds:.0f} s; "
                                   f"cancelled (what arrived is kept; run again to resume)")
     if progress:
-        progress(total, total)
+        progress(total)
 
 
 def _completed_tasks(tracker, group) -> int:

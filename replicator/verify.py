@@ -137,6 +137,18 @@ def _item_differences(source, mirror, snap, where, uuid, wrong) -> list[Differen
     return out
 
 
+def reconcile(source: Store, mirror, snap: S.Snapshot) -> Changeset:
+    """The changeset that turns the mirror's live tree into ``snap`` when they share no
+    snapshot (a lost base, a mirror seeded another way): found by comparing buckets, so its
+    cost is the differing buckets, and only chunks the mirror lacks travel afterwards."""
+    with source.read() as txn:
+        mine = buckets.at(txn, source.db, snap.epoch, source.bucket_count)
+    theirs = mirror.bucket_hashes(None)
+    wrong = [b for b in range(len(mine)) if mine[b] != theirs[b]]
+    diffs = _item_differences(source, mirror, snap, "live", None, wrong) if wrong else []
+    return _repair_changeset(source, snap, diffs)
+
+
 def _repair(source: Store, mirror, snap: S.Snapshot, result: VerifyResult,
             newest: bool) -> None:
     bad = [bytes.fromhex(d) for kind in ("missing", "corrupt")

@@ -404,10 +404,13 @@ class ModelMachine(RuleBasedStateMachine):
     def compare(self):
         self.compare_live()
 
-    @rule()
-    def snapshot(self):
-        """snapctl create with handles possibly open and dirty: the snapshot must hold every
-        byte written before it returned."""
+    @rule(data=st.data(), dirty=st.booleans())
+    def snapshot(self, data, dirty):
+        """snapctl create, with handles possibly open and dirty (``dirty``: a write through
+        one of them just before): the snapshot must hold every byte written before it
+        returned."""
+        if dirty and self.fds:
+            self.fd_write(data, data.draw(OFFSETS, label="off"), data.draw(DATA, label="buf"))
         name = f"e{self.n}s{next(self.snap_seq)}"
         self.mount.snapctl("create", name)
         OUTCOMES[f"snapshot with {len(self.fds)} open"] += 1

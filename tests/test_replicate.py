@@ -325,16 +325,38 @@ def test_incompatible_mirrors_are_refused(spark, mounted, tmp_path):
     Store.mkfs(other_chunks, chunk_size=64 << 10)
     with pytest.raises(MirrorError, match="chunk size"):
         send(m, other_chunks, "s1")
-    not_empty = tmp_path / "not-empty"
-    Store.mkfs(not_empty)
-    tamper(not_empty)
-    with pytest.raises(MirrorError, match="not empty"):
-        send(m, not_empty, "s1")
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "some-file").write_text("not a store")
     with pytest.raises(Exception, match="not a mountfs store"):
         send(m, foreign, "s1")
+
+
+def test_without_a_common_base_a_mirror_converges_by_buckets(spark, mounted, tmp_path):
+    m, mirror = mounted, tmp_path / "mirror"
+    for i in range(10):
+        (m.mnt / f"f{i}").write_bytes(os.urandom(200_000))
+    m.snapctl("create", "s1")
+    send(m, mirror, "s1")
+    m.snapctl("delete", "s1")                     # the base is lost on the source
+    (m.mnt / "f0").write_bytes(os.urandom(200_000))
+    os.rename(m.mnt / "f1", m.mnt / "f1-renamed")
+    os.unlink(m.mnt / "f2")
+    m.snapctl("create", "s2")
+    result = send(m, mirror, "s2")
+    assert result.base is None
+    assert result.bytes_sent == 200_000           # only the rewritten file's data travels
+    assert_mirror_equals(m, mirror, "s2", tmp_path, latest=True)
+
+
+def test_a_foreign_non_empty_store_is_reconciled_not_refused(spark, mounted, tmp_path):
+    m, seeded = mounted, tmp_path / "seeded"
+    (m.mnt / "f").write_text("x")
+    m.snapctl("create", "s1")
+    Store.mkfs(seeded)
+    tamper(seeded)                                # holds a file the source never had
+    send(m, seeded, "s1")
+    assert_mirror_equals(m, seeded, "s1", tmp_path)
 
 
 def test_replicating_into_a_mirror_of_another_source_is_refused(spark, make_mount, tmp_path):
