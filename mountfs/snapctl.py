@@ -265,19 +265,30 @@ def _print_stat(entries) -> None:
 @click.option("--to", "dest", help="Restore PATH under this path instead of over itself.")
 @click.option("--force", is_flag=True,
               help="Replace an existing destination, or discard live changes on a rollback.")
+@click.option("--from", "mirror_url", metavar="MIRROR_URL",
+              help="Bring NAME (or PATH of it) back from this mirror instead.")
+@click.option("--token-file", type=click.Path(dir_okay=False),
+              help="Bearer token for an http(s) mirror (else $MOUNTFS_TOKEN).")
+@click.option("--ca-file", type=click.Path(dir_okay=False),
+              help="Trust only this CA certificate for an https mirror.")
 @click.pass_context
-def restore(ctx, name, path, dest, force):
+def restore(ctx, name, path, dest, force, mirror_url, token_file, ca_file):
     """Roll the live tree back to snapshot NAME, or bring back PATH from it.
 
     \b
     snapctl restore daily                      roll the whole tree back
     snapctl restore daily docs/report.txt      bring one file (or tree) back in place
     snapctl restore daily docs --to docs.old   bring it back under another name
+    snapctl restore --from URL daily --to back copy snapshot daily back from a mirror
 
     Metadata is re-pointed; no chunk data is copied. PATH and DEST are relative to the
-    filesystem root (absolute paths under the mountpoint work too)."""
+    filesystem root (absolute paths under the mountpoint work too). From a mirror, the
+    tree is rebuilt through the mount; only chunks the source lacks travel."""
     from . import snapshots as snaps
     target = _target(ctx)
+    if mirror_url:
+        _restore_from_mirror(target, mirror_url, name, path, dest, force, token_file, ca_file)
+        return
     if dest and not path:
         fail("--to needs a PATH to restore")
     try:
@@ -417,6 +428,30 @@ def verify(ctx, mirror_url, name, full, repair, token_file, ca_file, as_json):
                    f"{' after repair' if result.repaired else ''}: "
                    f"{result.buckets} buckets compared, mismatched: {mismatched}")
     sys.exit(0 if result.clean else 1)
+
+
+def _restore_from_mirror(target: Target, url, name, path, dest, force, token_file, ca_file):
+    from replicator.endpoints import open_mirror
+    from replicator.restore import restore_from
+    if not target.mountpoint:
+        fail("restore --from writes through the mounted filesystem: mount the store and "
+             "pass -m MOUNTPOINT")
+    rel = target.fs_path(path) if path else "."
+    to = target.fs_path(dest) if dest else rel
+    try:
+        mirror = open_mirror(url, 0, token=_token(token_file), ca_file=ca_file, create=False)
+        try:
+            result = restore_from(mirror, target.store, target.mountpoint, name, rel, to,
+                                  force)
+        finally:
+            mirror.close()
+    except StoreError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"restore from the mirror failed: {e}")
+    click.echo(f"restored ./{rel} of {name} from {url} to ./{to}: {result.entries} entries, "
+               f"{result.bytes_fetched} bytes fetched, {result.bytes_local} bytes found "
+               f"locally")
 
 
 def _token(token_file: str | None) -> str | None:

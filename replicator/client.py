@@ -11,7 +11,7 @@ from mountfs.store import StoreError
 
 from .changeset import Changeset
 from .mirror import MirrorError, SnapshotRef
-from .server import compress, compress_json, decompress, pack_frames
+from .server import compress, compress_json, decompress, pack_frames, unpack_frames
 
 TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=10.0)
 
@@ -93,6 +93,15 @@ class HttpMirror:
 
     def stage(self, chunks) -> None:
         self.sink.put(chunks)
+
+    def export(self, snapshot: str, path: str) -> list[dict]:
+        res = _call(self.client, "POST", "/v1/export",
+                    compress_json({"snapshot": snapshot, "path": path}))
+        return json.loads(decompress(res.content))
+
+    def read_chunks(self, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
+        res = _call(self.client, "POST", "/v1/read-chunks", compress(b"".join(digests)))
+        return unpack_frames(res.content)
 
     def bucket_hashes(self, snap_uuid: str | None, recompute: bool = False) -> list[bytes]:
         raw = _call(self.client, "POST", "/v1/buckets",

@@ -77,6 +77,12 @@ class LocalMirror:
         with self.store.write() as txn:
             mirror.stage(txn, self.store.db, chunks)
 
+    def export(self, snapshot: str, path: str) -> list[dict]:
+        return mirror.export(self.store, snapshot, path)
+
+    def read_chunks(self, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
+        return mirror.read_chunks(self.store, digests)
+
     def bucket_hashes(self, snap_uuid: str | None, recompute: bool = False) -> list[bytes]:
         return mirror.bucket_hashes(self.store, snap_uuid, recompute)
 

@@ -403,3 +403,60 @@ def repair(txn, dbs, chunk_size: int, base_uuid: str, cs: Changeset) -> None:
                           "snapshots are immutable")
     apply(Live(txn, dbs, snaps.live_epoch(txn, dbs), chunk_size), cs)
     _mark_clean(txn, dbs, newest[0])
+
+
+# ---- reading back (restore --from) ----------------------------------------------------------
+
+def export(store: Store, snapshot: str, path: str) -> list[dict]:
+    """Everything below ``path`` in ``snapshot``, parents before children: what a source
+    needs to rebuild it (attributes, xattrs, symlink targets, chunk lists; a later name of a
+    hard-linked file as ``link`` to its first). ``path`` '' or '.' is the whole tree."""
+    with store.read() as txn:
+        snap = snaps.get(txn, store.db, snapshot)
+        view = View(txn, store.db, snap.epoch, store.chunk_size)
+        try:
+            top = view.resolve(path)
+        except FsError:
+            raise MirrorError(f"{path!r} does not exist in snapshot {snapshot!r} on the "
+                              f"mirror") from None
+        out, first_name = [], {}
+        todo = [(top, ".")]
+        while todo:
+            ino, rel = todo.pop()
+            rec = view.get(ino)
+            entry = {"path": rel, "mode": rec.mode, "uid": rec.uid, "gid": rec.gid,
+                     "atime_ns": rec.atime_ns, "mtime_ns": rec.mtime_ns, "size": rec.size,
+                     "rdev": rec.rdev, "target": rec.target.hex(),
+                     "xattrs": {k.hex(): v.hex() for k, v in view.xattrs(ino).items()}}
+            if ino in first_name:
+                entry = {"path": rel, "link": first_name[ino]}
+            elif stat.S_ISREG(rec.mode):
+                first_name[ino] = rel
+                entry["chunks"] = [[i, *_hex_leaf(view.chunk(ino, i))]
+                                   for i in view.chunk_indices(ino)]
+            out.append(entry)
+            if stat.S_ISDIR(rec.mode) and "link" not in entry:
+                children = [(c, f"{rel}/{n.decode('utf-8', 'surrogateescape')}")
+                            for n, c in view.listdir(ino)]
+                todo.extend(reversed(children))
+        return out
+
+
+def _hex_leaf(value) -> list:
+    return [bytes(value[0]).hex(), value[1]]
+
+
+def read_chunks(store: Store, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """Committed chunk data by digest (checked: a corrupt chunk is an error, not data)."""
+    out = []
+    with store.read() as txn:
+        for digest in digests:
+            data = txn.get(bytes(digest), db=store.db["blobs"])
+            if data is None or txn.get(bytes(digest), db=store.db["refs"]) is None:
+                raise MirrorError(f"the mirror has no chunk {bytes(digest).hex()[:16]}")
+            data = bytes(data)
+            if blake3.blake3(data).digest() != bytes(digest):
+                raise MirrorError(f"chunk {bytes(digest).hex()[:16]} is corrupt on the mirror "
+                                  f"(run 'snapctl verify --full --repair')")
+            out.append((bytes(digest), data))
+    return out

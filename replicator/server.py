@@ -16,6 +16,8 @@ API (version 1; bodies are zstd-compressed):
   POST /v1/scrub                re-read every chunk -> {"missing": [..], "corrupt": [..]}
   POST /v1/replace-chunks       frames, as /v1/chunks: good copies of lost or corrupt chunks
   POST /v1/repair               {"base_uuid", "changeset"}: fix the live tree (verify --repair)
+  POST /v1/export               {"snapshot": name, "path"} -> the subtree's entries (restore)
+  POST /v1/read-chunks          digests -> frames of committed chunk data (restore)
 """
 
 from __future__ import annotations
@@ -176,6 +178,18 @@ class Receiver:
         return JSONResponse({"ok": True})
 
 
+    async def export(self, request: Request):
+        req = json.loads(decompress(await request.body()))
+        entries = await self.read(mirror.export, self.store, req["snapshot"], req["path"])
+        return Response(compress_json(entries), media_type="application/zstd")
+
+    async def read_chunks(self, request: Request):
+        raw = decompress(await request.body())
+        digests = [raw[i:i + 32] for i in range(0, len(raw), 32)]
+        chunks = await self.read(mirror.read_chunks, self.store, digests)
+        return Response(pack_frames(chunks), media_type="application/zstd")
+
+
 def make_app(receiver: Receiver) -> Starlette:
     def guarded(handler):
         async def endpoint(request: Request):
@@ -200,6 +214,8 @@ def make_app(receiver: Receiver) -> Starlette:
         Route("/v1/scrub", guarded(receiver.scrub), methods=["POST"]),
         Route("/v1/replace-chunks", guarded(receiver.replace_chunks), methods=["POST"]),
         Route("/v1/repair", guarded(receiver.repair), methods=["POST"]),
+        Route("/v1/export", guarded(receiver.export), methods=["POST"]),
+        Route("/v1/read-chunks", guarded(receiver.read_chunks), methods=["POST"]),
     ])
 
 

@@ -5,6 +5,7 @@ after every cycle."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import stat
 import subprocess
@@ -429,3 +430,31 @@ def test_kill_9_during_transfer_then_rerun(mounted, tmp_path):
     summary = json.loads(out)
     assert summary["bytes_sent"] <= 24 * (1 << 20) - staged * (1 << 20)
     assert_mirror_equals(m, mirror, "s1", tmp_path)
+
+
+# ---- bringing data back from a mirror -----------------------------------------------------
+
+def test_restore_from_mirror_path_and_whole_snapshot(spark, mounted, tmp_path):
+    m, mirror = mounted, tmp_path / "mirror"
+    populate(m.mnt)
+    m.snapctl("create", "s1")
+    send(m, mirror, "s1")
+    want_docs = tree_state(m.mnt / ".snapshot/s1/docs")
+    want_all = tree_state(m.mnt / ".snapshot/s1")
+    shutil.rmtree(m.mnt / "docs")
+    m.snapctl("delete", "s1")                      # the source no longer has it at all
+    res = m.snapctl("restore", "--from", f"file://{mirror}", "s1", "docs", check=False)
+    assert res.returncode == 0, res.stderr
+    assert "fetched" in res.stdout
+    for entry in want_docs.values():             # a link to a name outside docs/ stays out
+        entry.pop("link_group", None)
+    assert tree_state(m.mnt / "docs") == want_docs
+    res = m.snapctl("restore", "--from", f"file://{mirror}", "s1", "docs", check=False)
+    assert res.returncode == 1 and "exists; pass --force" in res.stderr
+    m.snapctl("restore", "--from", f"file://{mirror}", "s1", "--to", "everything")
+    got = tree_state(m.mnt / "everything")
+    for rel, entry in want_all.items():             # hard links of the tree stay links
+        assert got[rel] == entry, rel
+    res = m.snapctl("restore", "--from", f"file://{mirror}", "s1", "nope", "--to", "x",
+                    check=False)
+    assert res.returncode == 1 and "does not exist in snapshot" in res.stderr

@@ -227,3 +227,20 @@ def test_verify_and_repair_over_http(spark, mounted, receiver, tmp_path):
         mirror.close()
     r.stop()
     assert_mirror_equals(m, tmp_path / "mirror", "s1", tmp_path)
+
+
+def test_restore_from_an_http_mirror(spark, mounted, receiver, tmp_path):
+    from test_replicate import tree_state
+    m = mounted
+    populate(m.mnt)
+    m.snapctl("create", "s1")
+    r = receiver()
+    send(m, r.url, "s1")
+    want = tree_state(m.mnt / ".snapshot/s1")
+    m.snapctl("delete", "s1")
+    res = m.snapctl("restore", "--from", r.url, "--token-file", tmp_path / "token", "s1",
+                    "--to", "back", check=False)
+    assert res.returncode == 0, res.stderr
+    assert tree_state(m.mnt / "back") == want
+    res = m.snapctl("restore", "--from", r.url, "s1", "--to", "again", check=False)
+    assert res.returncode == 1 and "no token" in res.stderr
