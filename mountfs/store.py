@@ -40,6 +40,14 @@ class StoreFull(StoreError):
     """The disk under the store is full (ENOSPC reaches the writer)."""
 
 
+FULL_DISK_MARGIN = 64 << 20     # below this much free space, a failed write means "full"
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def _data_file(path: Path) -> Path:
     return path / "data.mdb"
 
@@ -149,6 +157,15 @@ class Store:
         except lmdb.Error as e:
             if "No space left" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
                 raise StoreFull("no space left on the store's disk") from e
+            if "Input/output error" in str(e):
+                # LMDB reports a failed write of a growing data file as EIO, also when the
+                # cause is a full disk: say which, with the figure.
+                free = _free_bytes(self.path)
+                if free < FULL_DISK_MARGIN:
+                    raise StoreFull(f"no space left on the store's disk ({free} bytes "
+                                    f"free)") from e
+                raise StoreError(f"I/O error writing the store ({free} bytes free on its "
+                                 f"disk): nothing of this transaction was committed") from e
             raise
 
     def live_epoch(self, txn) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -178,11 +179,15 @@ def _completed_tasks(tracker, group) -> int:
 
 
 def _spark_message(error: BaseException) -> str:
-    """The useful line of a Spark failure (the Python error raised in the task)."""
+    """The useful line of a Spark failure: the last error our own code raised in the task
+    (``mountfs.store.StoreFull: no space ...``), else the first line."""
     text = str(error)
-    for line in text.splitlines():
-        if "MirrorError:" in line or "StoreError:" in line or "SinkError:" in line:
-            return line.split("Error:", 1)[1].strip()
+    ours = re.findall(r"^(?:mountfs|replicator)\.[\w.]+: (.+)$", text, re.MULTILINE)
+    if ours:
+        return ours[-1]
+    other = re.findall(r"^[\w.]*(?:Error|Exception): (.+)$", text, re.MULTILINE)
+    if other:
+        return other[-1]
     return text.splitlines()[0] if text else type(error).__name__
 
 
@@ -194,7 +199,7 @@ class _BatchSender:
         self.sink = sink
 
     def __call__(self, batch: list[tuple[str, int]]) -> tuple[int, int]:
-        from mountfs.store import Store
+        from mountfs.store import Store, StoreError
         store = Store.open(self.source, readonly=True, lock=False)
         try:
             chunks = []
@@ -203,8 +208,8 @@ class _BatchSender:
                     digest = bytes.fromhex(hexdigest)
                     data = txn.get(digest, db=store.db["blobs"])
                     if data is None:
-                        raise RuntimeError(f"StoreError: source chunk {hexdigest[:16]} is "
-                                           f"missing (was the snapshot deleted?)")
+                        raise StoreError(f"source chunk {hexdigest[:16]} is missing (was "
+                                         f"the snapshot deleted?)")
                     chunks.append((digest, bytes(data)))
         finally:
             store.close()

@@ -458,3 +458,56 @@ def test_restore_from_mirror_path_and_whole_snapshot(spark, mounted, tmp_path):
     res = m.snapctl("restore", "--from", f"file://{mirror}", "s1", "nope", "--to", "x",
                     check=False)
     assert res.returncode == 1 and "does not exist in snapshot" in res.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 48 MiB tmpfs: a mirror that runs out of space."""
+    path = tmp_path / "small"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(path)], check=True)
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_mirror_disk_is_a_clear_error_and_loses_nothing(spark, mounted, small_disk,
+                                                                tmp_path):
+    m, mirror = mounted, small_disk / "mirror"
+    (m.mnt / "small").write_bytes(os.urandom(1 << 20))
+    m.snapctl("create", "s1")
+    send(m, mirror, "s1")
+    for i in range(80):
+        (m.mnt / f"big{i}").write_bytes(os.urandom(1 << 20))
+    m.snapctl("create", "s2")
+    with pytest.raises(Exception, match="(?i)no space|full"):
+        send(m, mirror, "s2", batch_bytes=4 << 20)
+    assert cli("mountfs", "fsck", "-q", mirror, check=False).returncode == 0
+    assert [s["name"] for s in mirror_info(mirror)["snapshots"]] == ["s1"]
+    assert_mirror_equals(m, mirror, "s1", tmp_path, latest=False)
+
+
+@pytest.mark.parametrize("delay", [0.5, 4.0, 8.0])
+def test_kill_9_at_any_moment_leaves_the_mirror_at_base_or_new(mounted, tmp_path, delay):
+    m, mirror = mounted, tmp_path / "mirror"
+    (m.mnt / "seed").write_text("base")
+    m.snapctl("create", "s0")
+    proc = snapctl_replicate(m, mirror, "--snapshot", "s0")
+    assert proc.wait(timeout=300) == 0
+    for i in range(12):
+        (m.mnt / f"f{i}").write_bytes(os.urandom(1 << 20))
+    os.rename(m.mnt / "seed", m.mnt / "seed2")
+    m.snapctl("create", "s1")
+    proc = snapctl_replicate(m, mirror, "--snapshot", "s1", "--batch-size", "1M")
+    try:
+        proc.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    assert cli("mountfs", "fsck", "-q", mirror, check=False).returncode == 0
+    held = [s["name"] for s in mirror_info(mirror)["snapshots"]]
+    assert held in (["s0"], ["s0", "s1"])
+    if held == ["s0"]:
+        assert_mirror_equals(m, mirror, "s0", tmp_path)    # exactly the base, nothing between
+    proc = snapctl_replicate(m, mirror, "--snapshot", "s1")
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    assert_mirror_equals(m, mirror, "s1", tmp_path)

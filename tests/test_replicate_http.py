@@ -244,3 +244,31 @@ def test_restore_from_an_http_mirror(spark, mounted, receiver, tmp_path):
     assert tree_state(m.mnt / "back") == want
     res = m.snapctl("restore", "--from", r.url, "s1", "--to", "again", check=False)
     assert res.returncode == 1 and "no token" in res.stderr
+
+
+def test_a_hung_receiver_trips_the_watchdog_and_the_rerun_resumes(mounted, receiver, tmp_path):
+    m = mounted
+    for i in range(24):
+        (m.mnt / f"f{i}").write_bytes(os.urandom(1 << 20))
+    m.snapctl("create", "s1")
+    r = receiver()
+    proc = subprocess.Popen([sys.executable, "-m", "mountfs.snapctl", "-m", str(m.mnt),
+                             "replicate", "--to", r.url, "--token-file", str(tmp_path / "token"),
+                             "--snapshot", "s1", "--batch-size", "1M", "--stall-timeout", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while staged(r.store) == 0:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the transfer never started"
+        time.sleep(0.05)
+    r.proc.send_signal(signal.SIGSTOP)                 # the peer hangs: no error, no bytes
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        r.proc.send_signal(signal.SIGCONT)
+    assert proc.returncode == 1
+    assert "no chunk batch finished in 3 s" in err and "Traceback" not in err
+    result = send(m, r.url, "s1")
+    assert result.bytes_sent < 24 * (1 << 20)
+    r.stop()
+    assert_mirror_equals(m, tmp_path / "mirror", "s1", tmp_path)
