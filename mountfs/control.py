@@ -108,9 +108,12 @@ class ControlServer:
         if op == "create":
             return {"ok": True, "snapshot": snapshot_json(await engine.create_snapshot(req["name"]))}
         if op == "delete":
-            snap = await engine.delete_snapshot(req["name"])
+            snap = await engine.delete_snapshot(req["name"], bool(req.get("force")))
             self.ops.forget_snapshot(snap.name)
             return {"ok": True, "snapshot": snapshot_json(snap)}
+        if op == "hold":
+            await engine.hold(bytes.fromhex(req["mirror"]), req["name"], req["label"])
+            return {"ok": True}
         if op == "rollback":
             done = await engine.rollback(req["name"], bool(req.get("force")))
             await self.ops.invalidate(done.inodes, done.entries)

@@ -112,13 +112,19 @@ class Engine:
         with self.store.read() as txn:
             return snapshots.get(txn, self.db, name)
 
-    async def delete_snapshot(self, name: str) -> S.Snapshot:
+    async def delete_snapshot(self, name: str, force: bool = False) -> S.Snapshot:
         async with self.lock:
             with self.store.write() as txn:
-                snap = snapshots.delete(txn, self.db, name)
+                snap = snapshots.delete(txn, self.db, name, force)
         self._unsynced = True
         self._gc_wakeup.set()
         return snap
+
+    async def hold(self, mirror_uuid: bytes, name: str, label: str) -> None:
+        async with self.lock:
+            with self.store.write() as txn:
+                snapshots.set_hold(txn, self.db, mirror_uuid, name, label)
+        self._unsynced = True
 
     async def rollback(self, name: str, force: bool) -> snapshots.Rollback:
         snap = self.snapshot(name)

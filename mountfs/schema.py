@@ -21,7 +21,9 @@ meta      unversioned  b'format' -> u32 FORMAT_VERSION, b'chunk_size' -> u32,
                        b'live_epoch' -> u64, b'next_ino' -> u64, b'next_snap_id' -> u64,
                        b'uuid' -> 16 bytes (the store's identity),
                        b'written' + epoch:u64 -> u64 (chunk bytes written in that epoch),
-                       b'bucket_count' -> u32 (K, the number of hash buckets)
+                       b'bucket_count' -> u32 (K, the number of hash buckets),
+                       b'hold:' + mirror uuid -> base snapshot uuid + mirror URL (the
+                       snapshot each mirror was last replicated to; kept from deletion)
                        on a mirror: b'mirror_of' -> the source store's uuid,
                        b'rolled_back_to' -> epoch:u64 + snapshot uuid (replicate --force)
 inodes    versioned    ino:u64 -> INODE struct + name + symlink target (the record names one

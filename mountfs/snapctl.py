@@ -166,8 +166,10 @@ def list_(ctx, as_json):
 
 @main.command()
 @click.argument("name")
+@click.option("--force", is_flag=True, help="Delete it even if it is a mirror's replication "
+              "base (the next cycle to that mirror then reconciles by hash buckets).")
 @click.pass_context
-def delete(ctx, name):
+def delete(ctx, name, force):
     """Delete snapshot NAME; its space is reclaimed in the background."""
     from . import gc
     from . import snapshots as snaps
@@ -175,11 +177,11 @@ def delete(ctx, name):
 
     def offline(store):
         with store.write() as txn:
-            snaps.delete(txn, store.db, name)
+            snaps.delete(txn, store.db, name, force)
         gc.run_to_completion(store)
         return {}
     try:
-        run(target, {"op": "delete", "name": name}, offline)
+        run(target, {"op": "delete", "name": name, "force": force}, offline)
     except StoreError as e:
         fail(str(e))
     click.echo(f"deleted snapshot {name}")
@@ -366,6 +368,7 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
                                    master=spark_master, batch_bytes=batch_bytes,
                                    stall_seconds=stall_timeout,
                                    progress=progress)
+            _hold(target, mirror.info()["uuid"], result.snapshot, mirror_url)
         finally:
             mirror.close()
     except StoreError as e:
@@ -452,6 +455,17 @@ def _restore_from_mirror(target: Target, url, name, path, dest, force, token_fil
     click.echo(f"restored ./{rel} of {name} from {url} to ./{to}: {result.entries} entries, "
                f"{result.bytes_fetched} bytes fetched, {result.bytes_local} bytes found "
                f"locally")
+
+
+def _hold(target: Target, mirror_uuid: str, name: str, label: str) -> None:
+    """Record the mirror's new base on the source, so that it is kept from deletion."""
+    from . import snapshots as snaps
+
+    def offline(store):
+        with store.write() as txn:
+            snaps.set_hold(txn, store.db, bytes.fromhex(mirror_uuid), name, label)
+        return {}
+    run(target, {"op": "hold", "mirror": mirror_uuid, "name": name, "label": label}, offline)
 
 
 def _token(token_file: str | None) -> str | None:

@@ -78,14 +78,45 @@ def retained_epochs(txn, dbs) -> list[int]:
     return epochs + [live_epoch(txn, dbs)]
 
 
-def delete(txn, dbs, name: str) -> S.Snapshot:
+def delete(txn, dbs, name: str, force: bool = False) -> S.Snapshot:
+    """Delete snapshot ``name``. A snapshot that is the replication base of a mirror is
+    kept unless ``force`` (the next cycle to that mirror then reconciles by buckets)."""
     snap = get(txn, dbs, name)
+    held_for = [label for mirror, snap_uuid, label in holds(txn, dbs) if snap_uuid == snap.uuid]
+    if held_for and not force:
+        raise SnapshotError(f"snapshot {name!r} is the replication base of mirror "
+                            f"{held_for[0]}; replicate a newer snapshot first, or pass --force")
+    for mirror, snap_uuid, _ in holds(txn, dbs):
+        if snap_uuid == snap.uuid:
+            txn.delete(HOLD_PREFIX + mirror, db=dbs["meta"])
     txn.delete(snap.name.encode("utf-8", "surrogateescape"), db=dbs["snaps"])
     txn.delete(S.u64(snap.epoch), db=dbs["snapepochs"])
     _merge_written(txn, dbs, snap.epoch)
     token = txn.get(b"gc_pending", db=dbs["meta"])
     txn.put(b"gc_pending", S.u64(S.from_u64(token) + 1 if token else 1), db=dbs["meta"])
     return snap
+
+
+HOLD_PREFIX = b"hold:"
+
+
+def holds(txn, dbs) -> list[tuple[bytes, bytes, str]]:
+    """(mirror uuid, base snapshot uuid, mirror label) for every mirror replicated to."""
+    out = []
+    cur = txn.cursor(db=dbs["meta"])
+    if cur.set_range(HOLD_PREFIX):
+        for key, value in cur:
+            key, value = bytes(key), bytes(value)
+            if not key.startswith(HOLD_PREFIX):
+                break
+            out.append((key[len(HOLD_PREFIX):], value[:16], value[16:].decode()))
+    return out
+
+
+def set_hold(txn, dbs, mirror_uuid: bytes, name: str, label: str) -> None:
+    """Record snapshot ``name`` as the replication base of a mirror (replacing the older one)."""
+    snap = get(txn, dbs, name)
+    txn.put(HOLD_PREFIX + mirror_uuid, snap.uuid + label.encode(), db=dbs["meta"])
 
 
 def _merge_written(txn, dbs, epoch: int) -> None:

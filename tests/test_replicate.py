@@ -511,3 +511,27 @@ def test_kill_9_at_any_moment_leaves_the_mirror_at_base_or_new(mounted, tmp_path
     proc = snapctl_replicate(m, mirror, "--snapshot", "s1")
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
     assert_mirror_equals(m, mirror, "s1", tmp_path)
+
+
+def test_the_replication_base_is_kept_from_deletion(mounted, tmp_path):
+    m, mirror = mounted, tmp_path / "mirror"
+    (m.mnt / "f").write_text("1")
+    m.snapctl("create", "s1")
+    assert snapctl_replicate(m, mirror, "--snapshot", "s1").wait(timeout=300) == 0
+    res = m.snapctl("delete", "s1", check=False)
+    assert res.returncode == 1
+    assert res.stderr.strip() == (f"snapctl: snapshot 's1' is the replication base of mirror "
+                                  f"file://{mirror}; replicate a newer snapshot first, or "
+                                  f"pass --force")
+    m.snapctl("create", "s2")
+    assert snapctl_replicate(m, mirror, "--snapshot", "s2").wait(timeout=300) == 0
+    m.snapctl("delete", "s1")                      # no longer the base
+    assert m.snapctl("delete", "s2", check=False).returncode == 1
+    m.snapctl("delete", "s2", "--force")
+    (m.mnt / "f").write_text("2")
+    m.snapctl("create", "s3")
+    proc = snapctl_replicate(m, mirror, "--snapshot", "s3", "--json")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["base"] is None          # converged by buckets, no common base
+    assert_mirror_equals(m, mirror, "s3", tmp_path)
