@@ -97,7 +97,9 @@ class ControlServer:
         engine = self.engine
         if op == "status":
             return {"ok": True, "pid": os.getpid(), "mountpoint": self.mountpoint,
-                    "store": str(engine.store.path), "live_epoch": engine.live}
+                    "store": str(engine.store.path), "live_epoch": engine.live,
+                    "changed": engine.changed_since_snapshot(),
+                    "dirty_bytes": engine.files.dirty_bytes}
         if op == "flush":
             await engine.files.flush_all()
             return {"ok": True, "live_epoch": engine.live}

@@ -104,6 +104,13 @@ class Engine:
         await self.sync()
         return snap
 
+    def changed_since_snapshot(self) -> bool:
+        """Whether anything was committed since the newest snapshot: O(1), the root's
+        mepoch (buffered writes not yet committed are counted in ``files.dirty_bytes``)."""
+        with self.store.read() as txn:
+            root = View(txn, self.db, self.live, self.chunk_size).get(S.ROOT_INO)
+        return root.mepoch >= self.live
+
     def list_snapshots(self) -> list[S.Snapshot]:
         with self.store.read() as txn:
             return snapshots.list_all(txn, self.db)

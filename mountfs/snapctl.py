@@ -98,9 +98,11 @@ def run(target: Target, request: dict, offline) -> dict:
 @click.option("--store", type=click.Path(), help="A store directory (mounted or not).")
 @click.pass_context
 def main(ctx, mountpoint, store):
-    """Create, list, delete and restore snapshots of a mountfs filesystem.
+    """Snapshots of a mountfs filesystem, and their mirrors.
 
-    Snapshots are O(1) and browsable read-only at MOUNTPOINT/.snapshot/NAME."""
+    Snapshots are O(1) and browsable read-only at MOUNTPOINT/.snapshot/NAME. 'diff' says what
+    changed between two; 'replicate', 'verify' and 'restore --from' work with mirrors;
+    'status', 'check' and 'prune' show and apply what the daemon (mountfsd) does."""
     ctx.obj = {"mountpoint": mountpoint, "store": store}
 
 
@@ -497,6 +499,16 @@ class _progress_bar:
     def __exit__(self, *exc):
         if self.bar is not None:
             self.bar.close()
+
+
+def _add_daemon_commands() -> None:
+    """status, check and prune belong to the daemon's view of things (daemon.commands)."""
+    from daemon.commands import check, prune, status
+    for command in (status, check, prune):
+        main.add_command(command)
+
+
+_add_daemon_commands()
 
 if __name__ == "__main__":
     main()

@@ -94,6 +94,9 @@ class HttpMirror:
     def stage(self, chunks) -> None:
         self.sink.put(chunks)
 
+    def delete_snapshot(self, name: str) -> None:
+        _call(self.client, "POST", "/v1/delete-snapshot", compress_json({"name": name}))
+
     def export(self, snapshot: str, path: str) -> list[dict]:
         res = _call(self.client, "POST", "/v1/export",
                     compress_json({"snapshot": snapshot, "path": path}))

@@ -36,9 +36,12 @@ class CycleResult:
     bytes_sent: int
     bytes_skipped: int
     seconds: float
+    diff_seconds: float = 0.0      # of ``seconds``, finding the changes (not in the summary)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        del out["diff_seconds"]
+        return out
 
     def summary(self) -> str:
         base = f"from {self.base}" if self.base else "full copy"
@@ -71,6 +74,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
                 raise MirrorError(f"the mirror has changed since its copy of {base.name!r}; "
                                   f"pass --force to roll it back to {base.name!r}")
             mirror.rollback_to(base.uuid.hex())
+        diff_started = time.monotonic()
         reconciling = base is None and not info["empty"]
         if reconciling:
             if info["buckets"] != source.bucket_count:
@@ -81,6 +85,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
             with source.read() as txn:
                 cs = changeset.build(txn, source.db, source.chunk_size,
                                      base.epoch if base else None, snap.epoch)
+        diff_seconds = time.monotonic() - diff_started
         wanted = cs.digests()
         lacking = mirror.missing(list(wanted))
         todo = [(d, wanted[d]) for d in lacking]
@@ -93,7 +98,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
         entries = sum(cs.report.values()) if base else len(cs.entries) + len(cs.inodes)
         return CycleResult(snap.name, base.name if base else None, entries, sent.chunks,
                            sent.bytes, sum(wanted.values()) - sent.bytes,
-                           time.monotonic() - started)
+                           time.monotonic() - started, diff_seconds)
     finally:
         source.close()
 

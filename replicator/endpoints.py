@@ -77,6 +77,9 @@ class LocalMirror:
         with self.store.write() as txn:
             mirror.stage(txn, self.store.db, chunks)
 
+    def delete_snapshot(self, name: str) -> None:
+        mirror.delete_snapshot(self.store, name)
+
     def export(self, snapshot: str, path: str) -> list[dict]:
         return mirror.export(self.store, snapshot, path)
 

@@ -460,3 +460,16 @@ def read_chunks(store: Store, digests: list[bytes]) -> list[tuple[bytes, bytes]]
                                   f"(run 'snapctl verify --full --repair')")
             out.append((bytes(digest), data))
     return out
+
+
+def delete_snapshot(store: Store, name: str) -> None:
+    """Prune a snapshot on the mirror (retention); never the newest, which is the base of the
+    next cycle. Space is reclaimed before returning."""
+    with store.write() as txn:
+        held = snaps.list_all(txn, store.db)
+        if held and held[-1].name == name:
+            raise MirrorError(f"{name!r} is the mirror's newest snapshot (the replication "
+                              f"base); it is not pruned")
+        snaps.delete(txn, store.db, name)
+    gc.run_to_completion(store)
+    store.sync()

@@ -16,6 +16,7 @@ API (version 1; bodies are zstd-compressed):
   POST /v1/scrub                re-read every chunk -> {"missing": [..], "corrupt": [..]}
   POST /v1/replace-chunks       frames, as /v1/chunks: good copies of lost or corrupt chunks
   POST /v1/repair               {"base_uuid", "changeset"}: fix the live tree (verify --repair)
+  POST /v1/delete-snapshot      {"name"}: prune a snapshot (never the newest)
   POST /v1/export               {"snapshot": name, "path"} -> the subtree's entries (restore)
   POST /v1/read-chunks          digests -> frames of committed chunk data (restore)
 """
@@ -178,6 +179,12 @@ class Receiver:
         return JSONResponse({"ok": True})
 
 
+    async def delete_snapshot(self, request: Request):
+        req = json.loads(decompress(await request.body()))
+        async with self.write_lock:
+            await trio.to_thread.run_sync(mirror.delete_snapshot, self.store, req["name"])
+        return JSONResponse({"ok": True})
+
     async def export(self, request: Request):
         req = json.loads(decompress(await request.body()))
         entries = await self.read(mirror.export, self.store, req["snapshot"], req["path"])
@@ -214,6 +221,7 @@ def make_app(receiver: Receiver) -> Starlette:
         Route("/v1/scrub", guarded(receiver.scrub), methods=["POST"]),
         Route("/v1/replace-chunks", guarded(receiver.replace_chunks), methods=["POST"]),
         Route("/v1/repair", guarded(receiver.repair), methods=["POST"]),
+        Route("/v1/delete-snapshot", guarded(receiver.delete_snapshot), methods=["POST"]),
         Route("/v1/export", guarded(receiver.export), methods=["POST"]),
         Route("/v1/read-chunks", guarded(receiver.read_chunks), methods=["POST"]),
     ])

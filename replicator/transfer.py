@@ -58,6 +58,13 @@ def spark_session(master: str | None = None):
         return _session
 
 
+def cancel_all() -> None:
+    """Cancel every running Spark job of this process (the daemon stopping)."""
+    with _session_lock:
+        if _session is not None:
+            _session.sparkContext.cancelAllJobs()
+
+
 def spark_log_path() -> str:
     """Where the Spark JVM and its Python workers write their own output: a file, so that
     the command line shows only mountfs's messages ($MOUNTFS_SPARK_LOG to choose)."""

@@ -1,0 +1,184 @@
+"""``snapctl status``, ``snapctl check`` and ``snapctl prune``: the daemon's view for people
+and for monitoring. The figures come from the store (true even when the daemon is down),
+plus the daemon's status file for what only it knows (last success, last error)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+
+import click
+
+from mountfs.mount import find_mount
+from mountfs.store import StoreError
+
+from . import config as config_mod
+from .status import daemon_alive, read_state, state_path, store_figures
+
+DEFAULT_STATE_DIR = "/run/mountfs"
+
+
+def _fail(msg: str, code: int = 1):
+    click.echo(f"snapctl: {msg}", err=True)
+    sys.exit(code)
+
+
+def _filesystems(ctx, config_path: str | None):
+    """(name, mountpoint, store, mirror urls, state file, fs config) for each filesystem:
+    from --config, else the one given by -m / the current directory."""
+    if config_path:
+        try:
+            cfg = config_mod.load(config_path)
+        except config_mod.ConfigError as e:
+            _fail(str(e), 2)
+        out = []
+        for fs in cfg.filesystems:
+            info = find_mount(fs.mountpoint)
+            out.append((fs.name, fs.mountpoint, info.store if info else None,
+                        [m.url for m in fs.mirrors], state_path(cfg.state_dir, fs.name), fs))
+        return out
+    where = ctx.obj.get("mountpoint") or os.getcwd()
+    info = find_mount(where)
+    if info is None:
+        _fail(f"{where} is not in a mountfs filesystem; use -m MOUNTPOINT or --config FILE", 2)
+    state_dir = os.environ.get("MOUNTFS_STATE_DIR", DEFAULT_STATE_DIR)
+    state_file = next((p for p in sorted(_json_files(state_dir))
+                       if (read_state(p) or None) and read_state(p).mountpoint ==
+                       info.mountpoint), None)
+    name = os.path.basename(info.mountpoint)
+    return [(name, info.mountpoint, info.store, [], state_file, None)]
+
+
+def _json_files(state_dir: str):
+    try:
+        return [os.path.join(state_dir, n) for n in os.listdir(state_dir) if n.endswith(".json")]
+    except OSError:
+        return []
+
+
+def _report(name, mountpoint, store, urls, state_file) -> dict:
+    state = read_state(state_file) if state_file else None
+    out = {"filesystem": name, "mountpoint": mountpoint, "mounted": store is not None,
+           "daemon": None, "newest": None, "mirrors": {}}
+    if state is not None:
+        out["daemon"] = {"pid": state.pid, "running": daemon_alive(state),
+                         "updated_ns": state.updated_ns, "last_snapshot": state.last_snapshot,
+                         "last_error": state.last_error}
+        urls = list(dict.fromkeys(urls + list(state.mirrors)))
+    if store is None:
+        return out
+    figures = store_figures(store, urls)
+    out["newest"] = figures.newest
+    for url, f in figures.mirrors.items():
+        entry = asdict(f)
+        if state is not None and url in state.mirrors:
+            entry.update({k: v for k, v in asdict(state.mirrors[url]).items()})
+        out["mirrors"][url] = entry
+    return out
+
+
+def _ago(ns: int | None) -> str:
+    return "never" if not ns else f"{(time.time_ns() - ns) / 1e9:.0f} s ago"
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="The daemon's config (default: the filesystem of -m or the current dir).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per filesystem.")
+@click.pass_context
+def status(ctx, config_path, as_json):
+    """Replication state: per mirror the base, the lag, pending data, the last cycle and the
+    last error."""
+    try:
+        reports = [_report(*fs[:5]) for fs in _filesystems(ctx, config_path)]
+    except StoreError as e:
+        _fail(str(e), 2)
+    for r in reports:
+        if as_json:
+            click.echo(json.dumps(r))
+            continue
+        d = r["daemon"]
+        daemon = "no daemon status" if d is None else \
+            f"daemon {'running' if d['running'] else 'NOT RUNNING'} (pid {d['pid']})"
+        click.echo(f"{r['filesystem']} ({r['mountpoint']}): "
+                   f"{'newest snapshot ' + str(r['newest']) if r['mounted'] else 'NOT MOUNTED'}"
+                   f"; {daemon}")
+        if d and d["last_error"]:
+            click.echo(f"  error: {d['last_error']}")
+        for url, m in r["mirrors"].items():
+            lag = "never replicated" if m["lag_seconds"] is None else \
+                f"lag {m['lag_seconds']:.0f} s"
+            click.echo(f"  {url}: base {m['base']}, {lag}, pending {m['pending_bytes']} bytes "
+                       f"in {m['pending_snapshots']} snapshot(s); last success "
+                       f"{_ago(m.get('last_success_ns'))}")
+            if m.get("last_cycle"):
+                c = m["last_cycle"]
+                click.echo(f"    last cycle: {c['entries']} entries, {c['bytes_sent']} bytes "
+                           f"sent, {c['seconds']:.1f} s")
+            if m.get("last_error"):
+                click.echo(f"    last error ({_ago(m['last_error_ns'])}): {m['last_error']}")
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="The daemon's config, for its lag_warning / lag_critical thresholds.")
+@click.option("--warning", type=float, default=300.0, show_default=True,
+              help="Lag (s) that warns, without --config.")
+@click.option("--critical", type=float, default=3600.0, show_default=True,
+              help="Lag (s) that is critical, without --config.")
+@click.pass_context
+def check(ctx, config_path, warning, critical):
+    """Nagios-style check of every mirror's lag: exit 0 OK, 1 WARNING, 2 CRITICAL."""
+    worst, lines = 0, []
+    try:
+        for name, mp, store, urls, state_file, fs in _filesystems(ctx, config_path):
+            warn, crit = (fs.lag_warning, fs.lag_critical) if fs else (warning, critical)
+            r = _report(name, mp, store, urls, state_file)
+            if not r["mounted"]:
+                worst = 2
+                lines.append(f"{name}: not mounted")
+                continue
+            for url, m in r["mirrors"].items():
+                lag = m["lag_seconds"]
+                level = 2 if lag is None or lag >= crit else 1 if lag >= warn else 0
+                worst = max(worst, level)
+                lines.append(f"{name} -> {url}: " + ("never replicated" if lag is None
+                                                     else f"lag {lag:.0f}s"))
+            if not r["mirrors"]:
+                lines.append(f"{name}: no mirror")
+    except StoreError as e:
+        click.echo(f"UNKNOWN: {e}")
+        sys.exit(3)
+    click.echo(f"{('OK', 'WARNING', 'CRITICAL')[worst]}: " + "; ".join(lines))
+    sys.exit(worst)
+
+
+@click.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="The daemon's config, holding the retention policies.")
+@click.option("--dry-run", is_flag=True, help="Only show what would go, and why the rest stays.")
+@click.pass_context
+def prune(ctx, config_path, dry_run):
+    """Apply the local retention policy of the config: list every snapshot with the rule that
+    keeps it, and delete the others (never a mirror's base, never the newest)."""
+    from mountfs import control
+    from .service import local_decisions
+    for name, mp, store, urls, state_file, fs in _filesystems(ctx, config_path):
+        if fs.retention is None:
+            click.echo(f"{name}: no retention policy; nothing to prune")
+            continue
+        if store is None:
+            _fail(f"{name}: {mp} is not mounted", 2)
+        for d in local_decisions(store, fs):
+            if d.keep:
+                click.echo(f"keep  {d.name}: {', '.join(d.reasons)}")
+                continue
+            click.echo(f"prune {d.name}" + (" (dry run)" if dry_run else ""))
+            if not dry_run:
+                try:
+                    control.request(store, {"op": "delete", "name": d.name})
+                except StoreError as e:
+                    _fail(str(e))

@@ -1,0 +1,200 @@
+"""The daemon's TOML configuration, checked completely before anything starts.
+
+```toml
+[daemon]
+state_dir = "/run/mountfs"          # status files read by 'snapctl status'
+metrics_listen = "127.0.0.1:9811"   # Prometheus endpoint; off when absent
+spark_master = "local[*]"           # default: embedded
+
+[[filesystem]]
+name = "data"
+mountpoint = "/mnt/data"
+min_interval = "10s"                # never snapshot more often
+max_interval = "15m"                # snapshot at least this often while data is buffered
+snapshot_prefix = "auto-"           # names of the daemon's own snapshots
+retention = { hourly = 24, daily = 7, weekly = 4, monthly = 6 }
+lag_warning = "5m"                  # snapctl check thresholds
+lag_critical = "1h"
+
+[[filesystem.mirror]]
+url = "http://backup:8765"
+token_file = "/etc/mountfs/token"
+retention = { daily = 30, monthly = 12 }
+```
+
+Every error names the key and its line: ``config.toml:12: filesystem[0].min_interval: ...``.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .retention import Policy, PolicyError, parse_policy
+
+DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+
+
+class ConfigError(Exception):
+    """A configuration the daemon refuses, with the file, line and key."""
+
+
+@dataclass
+class MirrorConfig:
+    url: str
+    token_file: str | None = None
+    ca_file: str | None = None
+    retention: Policy | None = None
+
+    @property
+    def label(self) -> str:
+        return self.url
+
+
+@dataclass
+class FilesystemConfig:
+    name: str
+    mountpoint: str
+    min_interval: float = 10.0
+    max_interval: float = 900.0
+    snapshot_prefix: str = "auto-"
+    retention: Policy | None = None
+    lag_warning: float = 300.0
+    lag_critical: float = 3600.0
+    stall_timeout: float = 300.0
+    mirrors: list[MirrorConfig] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    path: str
+    state_dir: str = "/run/mountfs"
+    metrics_listen: str | None = None
+    spark_master: str | None = None
+    filesystems: list[FilesystemConfig] = field(default_factory=list)
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return _Checker(path, text).config(raw)
+
+
+class _Checker:
+    """Walks the parsed TOML, building the config and naming the line of any bad key."""
+
+    def __init__(self, path: Path, text: str):
+        self.path = path
+        self.lines = text.splitlines()
+
+    def fail(self, where: str, key: str, msg: str):
+        raise ConfigError(f"{self.path}:{self._line(key)}: {where}{key}: {msg}")
+
+    def _line(self, key: str) -> int | str:
+        pattern = re.compile(rf"^\s*{re.escape(key)}\s*=|[{{,]\s*{re.escape(key)}\s*=")
+        for n, line in enumerate(self.lines, 1):
+            if pattern.search(line):
+                return n
+        return "?"
+
+    def config(self, raw: dict) -> Config:
+        self.only(raw, "", {"daemon", "filesystem"})
+        d = raw.get("daemon", {})
+        self.only(d, "daemon.", {"state_dir", "metrics_listen", "spark_master"})
+        cfg = Config(str(self.path),
+                     state_dir=self.string(d, "daemon.", "state_dir", "/run/mountfs"),
+                     metrics_listen=self.string(d, "daemon.", "metrics_listen", None),
+                     spark_master=self.string(d, "daemon.", "spark_master", None))
+        if cfg.metrics_listen is not None and not re.match(r"^[\w.\-\[\]:]+:\d+$",
+                                                           cfg.metrics_listen):
+            self.fail("daemon.", "metrics_listen", "expected HOST:PORT")
+        filesystems = raw.get("filesystem", [])
+        if not isinstance(filesystems, list) or not filesystems:
+            raise ConfigError(f"{self.path}: no [[filesystem]] configured")
+        cfg.filesystems = [self.filesystem(fs, f"filesystem[{i}].")
+                           for i, fs in enumerate(filesystems)]
+        names = [fs.name for fs in cfg.filesystems]
+        if len(set(names)) != len(names):
+            self.fail("filesystem.", "name", "names must be unique")
+        return cfg
+
+    def filesystem(self, raw: dict, where: str) -> FilesystemConfig:
+        self.only(raw, where, {"name", "mountpoint", "min_interval", "max_interval",
+                               "snapshot_prefix", "retention", "lag_warning", "lag_critical",
+                               "stall_timeout", "mirror"})
+        fs = FilesystemConfig(
+            name=self.string(raw, where, "name", required=True),
+            mountpoint=self.string(raw, where, "mountpoint", required=True),
+            min_interval=self.duration(raw, where, "min_interval", 10.0),
+            max_interval=self.duration(raw, where, "max_interval", 900.0),
+            snapshot_prefix=self.string(raw, where, "snapshot_prefix", "auto-"),
+            retention=self.policy(raw, where),
+            lag_warning=self.duration(raw, where, "lag_warning", 300.0),
+            lag_critical=self.duration(raw, where, "lag_critical", 3600.0),
+            stall_timeout=self.duration(raw, where, "stall_timeout", 300.0))
+        if fs.max_interval < fs.min_interval:
+            self.fail(where, "max_interval", "must not be shorter than min_interval")
+        if fs.lag_critical < fs.lag_warning:
+            self.fail(where, "lag_critical", "must not be shorter than lag_warning")
+        if not re.match(r"^[\w.\-]+$", fs.snapshot_prefix):
+            self.fail(where, "snapshot_prefix", "letters, digits, '.', '_' and '-' only")
+        mirrors = raw.get("mirror", [])
+        if not isinstance(mirrors, list):
+            self.fail(where, "mirror", "use [[filesystem.mirror]] tables")
+        fs.mirrors = [self.mirror(m, f"{where}mirror[{i}].") for i, m in enumerate(mirrors)]
+        return fs
+
+    def mirror(self, raw: dict, where: str) -> MirrorConfig:
+        self.only(raw, where, {"url", "token_file", "ca_file", "retention"})
+        url = self.string(raw, where, "url", required=True)
+        if not re.match(r"^(file:///|https?://)", url):
+            self.fail(where, "url", "expected file:///path or http(s)://host:port")
+        return MirrorConfig(url, self.string(raw, where, "token_file", None),
+                            self.string(raw, where, "ca_file", None), self.policy(raw, where))
+
+    # ---- typed values ----------------------------------------------------------------------
+
+    def only(self, raw, where: str, allowed: set[str]) -> None:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{self.path}: {where.rstrip('.')}: expected a table")
+        for key in raw:
+            if key not in allowed:
+                self.fail(where, key, f"unknown key (known: {', '.join(sorted(allowed))})")
+
+    def string(self, raw, where, key, default=None, required=False):
+        if key not in raw:
+            if required:
+                raise ConfigError(f"{self.path}: {where}{key}: missing")
+            return default
+        if not isinstance(raw[key], str) or not raw[key]:
+            self.fail(where, key, "expected a non-empty string")
+        return raw[key]
+
+    def duration(self, raw, where, key, default: float) -> float:
+        if key not in raw:
+            return default
+        value = raw[key]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            return float(value)
+        m = DURATION.match(value) if isinstance(value, str) else None
+        if not m:
+            self.fail(where, key, f"expected a duration like '30s', '5m', '2h' (got {value!r})")
+        return float(m.group(1)) * UNITS[m.group(2)]
+
+    def policy(self, raw, where) -> Policy | None:
+        if "retention" not in raw:
+            return None
+        try:
+            return parse_policy(raw["retention"])
+        except PolicyError as e:
+            self.fail(where, "retention", str(e))

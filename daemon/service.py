@@ -1,0 +1,293 @@
+"""The daemon: for each configured filesystem, snapshot when it changed, replicate to every
+mirror, prune, and report.
+
+Structure (trio): one task per filesystem under a nursery that SIGHUP restarts with a freshly
+checked config; SIGTERM/SIGINT cancel it. Everything blocking (control-socket requests, the
+replication cycle with its Spark job, store reads) runs in worker threads, so the loop only
+schedules. A cycle in flight when the daemon is told to stop is allowed ``STOP_GRACE``
+seconds to finish; then its Spark jobs are cancelled, which leaves the mirror at its base
+(a cycle commits in one transaction or not at all).
+
+Each mirror has its own base (held on the source, so local pruning never removes it) and its
+own backoff: a mirror that is down is retried with exponential backoff and jitter while
+snapshots keep being taken; when it comes back, one diff from its base catches it up.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import random
+import signal
+import time
+
+import trio
+
+from mountfs import control
+from mountfs.mount import find_mount
+from mountfs.store import Store, StoreError
+from replicator import transfer
+from replicator.cycle import replicate
+from replicator.endpoints import open_mirror
+
+from . import config as config_mod
+from .metrics import Metrics
+from .notify import notify, watchdog_interval
+from .retention import decide
+from .status import DaemonState, store_figures, write_state
+
+log = logging.getLogger("mountfsd")
+
+POLL_SECONDS = 1.0
+BACKOFF_BASE = 2.0
+BACKOFF_CAP = 300.0
+STOP_GRACE = 30.0
+
+
+def backoff_delay(failures: int) -> float:
+    """Exponential backoff with jitter: about 2, 4, 8 ... s, at most 5 min."""
+    return min(BACKOFF_CAP, BACKOFF_BASE * 2 ** (failures - 1)) * random.uniform(0.5, 1.5)
+
+
+class FilesystemLoop:
+    def __init__(self, fs: config_mod.FilesystemConfig, daemon: config_mod.Config,
+                 metrics: Metrics | None):
+        self.fs = fs
+        self.daemon = daemon
+        self.metrics = metrics
+        self.state = DaemonState(fs.name, fs.mountpoint)
+        self.last_snapshot_at = 0.0            # monotonic; 0: none by this process yet
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+                self.state.last_error = None
+            except (StoreError, control.ControlError, OSError) as e:
+                self.state.last_error = str(e)
+                log.error("%s: %s", self.fs.name, e)
+            await trio.to_thread.run_sync(self.publish)
+            await trio.sleep(POLL_SECONDS)
+
+    async def step(self) -> None:
+        store = self._store()
+        self.state.store = store
+        status = await _request(store, {"op": "status"})
+        since = time.monotonic() - self.last_snapshot_at
+        if (status["changed"] and since >= self.fs.min_interval) or \
+                (status["dirty_bytes"] and since >= self.fs.max_interval):
+            await self.snapshot(store)
+        figures = await trio.to_thread.run_sync(store_figures, store,
+                                                [m.url for m in self.fs.mirrors])
+        for mirror in self.fs.mirrors:
+            behind = figures.newest is not None and \
+                figures.mirrors[mirror.url].base != figures.newest
+            due = (self.state.mirror(mirror.url).next_try_ns or 0) <= time.time_ns()
+            if behind and due:
+                await self.replicate(store, mirror, figures.newest)
+        if self.fs.retention is not None:
+            await self.prune_local(store)
+
+    def _store(self) -> str:
+        info = find_mount(self.fs.mountpoint)
+        if info is None or os.path.realpath(info.mountpoint) != \
+                os.path.realpath(self.fs.mountpoint):
+            raise StoreError(f"{self.fs.mountpoint} is not a mounted mountfs filesystem")
+        return info.store
+
+    async def snapshot(self, store: str) -> None:
+        name = self.fs.snapshot_prefix + dt.datetime.now(dt.timezone.utc).strftime(
+            "%Y%m%dT%H%M%S.%fZ")
+        await _request(store, {"op": "create", "name": name})
+        self.last_snapshot_at = time.monotonic()
+        self.state.last_snapshot = name
+        if self.metrics:
+            self.metrics.snapshots.labels(self.fs.name).inc()
+        log.info("%s: snapshot %s", self.fs.name, name)
+
+    # ---- replication -----------------------------------------------------------------------
+
+    async def replicate(self, store: str, mirror: config_mod.MirrorConfig, name: str) -> None:
+        ms = self.state.mirror(mirror.url)
+        labels = (self.fs.name, mirror.url)
+        try:
+            result, mirror_uuid = await trio.to_thread.run_sync(
+                self._cycle, store, mirror, name)
+            await _request(store, {"op": "hold", "mirror": mirror_uuid, "name": name,
+                                   "label": mirror.url})
+        except (StoreError, transfer.TransferFailed, OSError) as e:
+            ms.failures += 1
+            ms.errors_total += 1
+            ms.last_error, ms.last_error_ns = str(e), time.time_ns()
+            ms.next_try_ns = time.time_ns() + int(backoff_delay(ms.failures) * 1e9)
+            if isinstance(e, transfer.TransferStalled):
+                ms.stalled_total += 1
+                if self.metrics:
+                    self.metrics.stalled.labels(*labels).inc()
+            if self.metrics:
+                self.metrics.errors.labels(*labels).inc()
+            log.warning("%s -> %s: %s (retry in %.0f s)", self.fs.name, mirror.url, e,
+                        (ms.next_try_ns - time.time_ns()) / 1e9)
+            return
+        ms.failures, ms.next_try_ns, ms.last_error = 0, None, None
+        ms.last_success_ns = time.time_ns()
+        ms.last_cycle = result.to_json()
+        ms.cycles_total += 1
+        ms.bytes_sent_total += result.bytes_sent
+        ms.diff_seconds = result.diff_seconds
+        if self.metrics:
+            self.metrics.bytes_sent.labels(*labels).inc(result.bytes_sent)
+            self.metrics.cycle_seconds.labels(*labels).observe(result.seconds)
+        log.info("%s -> %s: %s", self.fs.name, mirror.url, result.summary())
+
+    def _cycle(self, store: str, mirror: config_mod.MirrorConfig, name: str):
+        """One blocking replication cycle (a worker thread), then the mirror's retention."""
+        source = Store.open(store, readonly=True, lock=False)
+        chunk_size = source.chunk_size
+        source.close()
+        endpoint = open_mirror(mirror.url, chunk_size, token=_token(mirror),
+                               ca_file=mirror.ca_file)
+        try:
+            result = replicate(store, endpoint, name, master=self.daemon.spark_master,
+                               stall_seconds=self.fs.stall_timeout)
+            mirror_uuid = endpoint.info()["uuid"]
+            if mirror.retention is not None:
+                self._prune_mirror(endpoint, mirror)
+            return result, mirror_uuid
+        finally:
+            endpoint.close()
+
+    def _prune_mirror(self, endpoint, mirror: config_mod.MirrorConfig) -> None:
+        held = endpoint.info()["snapshots"]
+        for d in decide(mirror.retention, [(s["name"], s["created_ns"]) for s in held],
+                        time.time_ns(), own=self._own):
+            if not d.keep:
+                endpoint.delete_snapshot(d.name)
+                log.info("%s -> %s: pruned %s on the mirror", self.fs.name, mirror.url, d.name)
+
+    # ---- local retention and reporting -----------------------------------------------------
+
+    def _own(self, name: str) -> bool:
+        return name.startswith(self.fs.snapshot_prefix)
+
+    async def prune_local(self, store: str) -> None:
+        for d in await trio.to_thread.run_sync(local_decisions, store, self.fs):
+            if not d.keep:
+                await _request(store, {"op": "delete", "name": d.name})
+                log.info("%s: pruned %s", self.fs.name, d.name)
+
+    def publish(self) -> None:
+        """Status file, metrics and systemd STATUS from the store's figures (worker thread)."""
+        lags = []
+        if self.state.store:
+            try:
+                figures = store_figures(self.state.store, [m.url for m in self.fs.mirrors])
+            except StoreError:
+                figures = None
+            for url, f in (figures.mirrors.items() if figures else []):
+                lags.append(f"{url} lag {f.lag_seconds:.0f}s" if f.lag_seconds is not None
+                            else f"{url} never replicated")
+                if self.metrics:
+                    labels = (self.fs.name, url)
+                    self.metrics.lag.labels(*labels).set(
+                        f.lag_seconds if f.lag_seconds is not None else float("inf"))
+                    self.metrics.pending_bytes.labels(*labels).set(f.pending_bytes)
+                    self.metrics.pending_snapshots.labels(*labels).set(f.pending_snapshots)
+                    ms = self.state.mirrors.get(url)
+                    if ms and ms.last_success_ns:
+                        self.metrics.last_success.labels(*labels).set(ms.last_success_ns / 1e9)
+        write_state(self.daemon.state_dir, self.state)
+        notify(STATUS=f"{self.fs.name}: " + ("; ".join(lags) or "no mirrors") +
+               (f"; error: {self.state.last_error}" if self.state.last_error else ""))
+
+
+def local_decisions(store: str, fs: config_mod.FilesystemConfig):
+    """What the local retention keeps, and why (``snapctl prune`` shows the same)."""
+    from mountfs import snapshots as snaps
+    source = Store.open(store, readonly=True, lock=False)
+    try:
+        with source.read() as txn:
+            all_snaps = snaps.list_all(txn, source.db)
+            by_uuid = {s.uuid: s.name for s in all_snaps}
+            protected = {by_uuid[u]: f"replication base of {label}"
+                         for _, u, label in snaps.holds(txn, source.db) if u in by_uuid}
+    finally:
+        source.close()
+    return decide(fs.retention, [(s.name, s.created_ns) for s in all_snaps], time.time_ns(),
+                  own=lambda n: n.startswith(fs.snapshot_prefix), protected=protected)
+
+
+def _token(mirror: config_mod.MirrorConfig) -> str | None:
+    if mirror.token_file:
+        with open(mirror.token_file) as f:
+            return f.read().strip()
+    return os.environ.get("MOUNTFS_TOKEN")
+
+
+async def _request(store: str, payload: dict) -> dict:
+    return await trio.to_thread.run_sync(control.request, store, payload)
+
+
+# ---- the process ----------------------------------------------------------------------------
+
+async def serve(config_path: str) -> None:
+    cfg = config_mod.load(config_path)
+    metrics = Metrics()
+    if cfg.metrics_listen:
+        metrics.serve(cfg.metrics_listen)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as outer:
+            if watchdog_interval():
+                outer.start_soon(_watchdog)
+            notify(READY="1", STATUS=f"serving {len(cfg.filesystems)} filesystem(s)")
+            while True:
+                stop = await _run_until_signal(cfg, metrics, signals, outer)
+                if stop:
+                    break
+                try:
+                    cfg = config_mod.load(config_path)
+                    log.info("reloaded %s", config_path)
+                except config_mod.ConfigError as e:
+                    log.error("not reloading: %s", e)
+                notify(RELOADING="0", READY="1")
+            outer.cancel_scope.cancel()
+    notify(STOPPING="1")
+
+
+async def _run_until_signal(cfg, metrics, signals, outer) -> bool:
+    """Run every filesystem loop until a signal; True when it says stop."""
+    stop = False
+    grace = trio.CancelScope()
+    async with trio.open_nursery() as loops:
+        for fs in cfg.filesystems:
+            loops.start_soon(FilesystemLoop(fs, cfg, metrics).run)
+        async for signum in signals:
+            stop = signum != signal.SIGHUP
+            if stop:
+                notify(STOPPING="1")
+            else:
+                notify(RELOADING="1")
+            log.info("%s: %s", signal.Signals(signum).name,
+                     "finishing the cycle in flight" if stop else "reloading")
+            outer.start_soon(_abort_after, grace, STOP_GRACE)
+            loops.cancel_scope.cancel()
+            break
+    grace.cancel()                 # the loops are done: nothing left to abort
+    return stop
+
+
+async def _abort_after(scope: trio.CancelScope, seconds: float) -> None:
+    """A cycle still running after the grace period is aborted (the mirror stays at its
+    base): its Spark jobs are cancelled, which makes its thread return."""
+    with scope:
+        await trio.sleep(seconds)
+        log.warning("cycle still running after %.0f s: aborting it", seconds)
+        await trio.to_thread.run_sync(transfer.cancel_all)
+
+
+async def _watchdog() -> None:
+    interval = watchdog_interval()
+    while True:
+        notify(WATCHDOG="1")
+        await trio.sleep(interval)
