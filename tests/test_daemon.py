@@ -1,0 +1,219 @@
+"""mountfsd for real: a real mount, a real receiver on loopback, the daemon in its own process
+(with its own embedded Spark), observed through snapctl status/check and the mirror."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import cli
+from test_replicate import tree_state
+from test_replicate_http import TOKEN, free_port, receiver  # noqa: F401
+
+
+def wait_for(what: str, predicate, timeout: float = 120.0, every: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+class Daemon:
+    def __init__(self, config: Path):
+        self.config = config
+        self.proc = None
+
+    def start(self) -> "Daemon":
+        self.log = open(self.config.with_suffix(".log"), "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--config",
+                                      str(self.config)], stdout=self.log, stderr=self.log)
+        return self
+
+    def signal(self, signum) -> None:
+        self.proc.send_signal(signum)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+    def text(self) -> str:
+        return self.config.with_suffix(".log").read_text()
+
+
+@pytest.fixture
+def daemon():
+    started = []
+
+    def start(config: Path) -> Daemon:
+        d = Daemon(config).start()
+        started.append(d)
+        return d
+    yield start
+    for d in started:
+        d.stop()
+
+
+def write_config(path: Path, mnt: Path, state: Path, mirror_url: str, token_file: Path,
+                 extra_fs: str = "", metrics: str = "") -> Path:
+    path.write_text(f"""
+[daemon]
+state_dir = "{state}"
+{metrics}
+
+[[filesystem]]
+name = "data"
+mountpoint = "{mnt}"
+min_interval = "1s"
+max_interval = "5s"
+stall_timeout = "60s"
+lag_warning = "30s"
+lag_critical = "120s"
+retention = {{ keep_last = 3 }}
+{extra_fs}
+
+[[filesystem.mirror]]
+url = "{mirror_url}"
+token_file = "{token_file}"
+retention = {{ keep_last = 2 }}
+""")
+    return path
+
+
+def status(m, config: Path) -> dict:
+    res = m.snapctl("status", "--config", config, "--json", check=False)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def mirror_is_current(m, config: Path, url: str) -> bool:
+    s = status(m, config)
+    mirror = s["mirrors"].get(url)
+    return bool(mirror) and mirror["base"] == s["newest"] and mirror["lag_seconds"] == 0
+
+
+def assert_mirror_holds(mirror_store: Path, snapshot: str, want: dict, tmp_path: Path):
+    mnt = tmp_path / f"check-{snapshot}"
+    mnt.mkdir()
+    cli("mountfs", "mount", "--read-only", mirror_store, mnt)
+    try:
+        assert tree_state(mnt / ".snapshot" / snapshot) == want
+    finally:
+        cli("mountfs", "umount", mnt)
+
+
+def test_daemon_keeps_a_mirror_current_through_an_outage(mounted, receiver, daemon, tmp_path):
+    m = mounted
+    r = receiver()
+    port = free_port()
+    config = write_config(tmp_path / "data.toml", m.mnt, tmp_path / "state", r.url,
+                          tmp_path / "token", metrics=f'metrics_listen = "127.0.0.1:{port}"')
+    d = daemon(config)
+    # a stream of changes; the mirror converges
+    for i in range(6):
+        (m.mnt / f"file{i}").write_bytes(os.urandom(10_000 + i))
+        time.sleep(0.4)
+    wait_for("the mirror to catch up", lambda: mirror_is_current(m, config, r.url))
+    s = status(m, config)
+    assert s["daemon"]["running"] and s["mirrors"][r.url]["cycles_total"] >= 1
+    check = m.snapctl("check", "--config", config, check=False)
+    assert check.returncode == 0 and check.stdout.startswith("OK: data -> ")
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    assert f'mountfs_replication_lag_seconds{{filesystem="data",mirror="{r.url}"}} 0.0' \
+        in metrics
+    assert "mountfs_replication_sent_bytes_total" in metrics
+
+    # retention: at most 3 local snapshots (the base is one of them)
+    wait_for("local pruning", lambda: len(m.snapctl("list", "--json").stdout.splitlines()) <= 3)
+
+    # the mirror goes away: snapshots go on, errors show, then it comes back and catches up
+    r.stop()
+    for i in range(3):
+        (m.mnt / f"while-down{i}").write_text(f"written while the mirror was down {i}")
+        time.sleep(1.2)
+    wait_for("the outage to show", lambda: status(m, config)["mirrors"][r.url]["last_error"])
+    assert status(m, config)["mirrors"][r.url]["lag_seconds"] > 0
+    r2 = receiver()
+    assert r2.port != r.port
+    config = write_config(config, m.mnt, tmp_path / "state", r2.url, tmp_path / "token",
+                          metrics=f'metrics_listen = "127.0.0.1:{port}"')
+    d.signal(signal.SIGHUP)                                    # reload: the mirror moved
+    wait_for("the mirror to catch up after the outage",
+             lambda: mirror_is_current(m, config, r2.url))
+    newest = status(m, config)["newest"]
+    want = tree_state(m.mnt / ".snapshot" / newest)
+    assert "reloaded" in d.text()
+    assert d.stop() == 0
+    r2.stop()
+    assert_mirror_holds(tmp_path / "mirror", newest, want, tmp_path)
+    assert cli("mountfs", "fsck", "-q", tmp_path / "mirror", check=False).returncode == 0
+
+
+def test_daemon_killed_mid_cycle_converges_after_restart(mounted, receiver, daemon, tmp_path):
+    m = mounted
+    r = receiver()
+    config = write_config(tmp_path / "data.toml", m.mnt, tmp_path / "state", r.url,
+                          tmp_path / "token")
+    for i in range(16):
+        (m.mnt / f"big{i}").write_bytes(os.urandom(1 << 20))
+    d = daemon(config)
+    wait_for("a cycle to start sending", lambda: "snapshot" in d.text(), timeout=60)
+    time.sleep(2.0)
+    assert "replicated" not in d.text()                        # the first cycle is running
+    d.proc.kill()                                              # kill -9 in the middle
+    d.proc.wait()
+    assert status(m, config)["mirrors"][r.url]["base"] is None   # nothing half-committed
+    d2 = daemon(config)
+    wait_for("convergence after the restart", lambda: mirror_is_current(m, config, r.url))
+    newest = status(m, config)["newest"]
+    want = tree_state(m.mnt / ".snapshot" / newest)
+    d2.stop()
+    r.stop()
+    assert_mirror_holds(tmp_path / "mirror", newest, want, tmp_path)
+    assert cli("mountfs", "fsck", "-q", tmp_path / "mirror", check=False).returncode == 0
+
+
+@pytest.mark.parametrize("body, message", [
+    ('[[filesystem]]\nname = "x"\nmountpoint = "/m"\nmin_interval = "soon"\n',
+     ':4: filesystem[0].min_interval: expected a duration'),
+    ('[[filesystem]]\nname = "x"\nmountpoint = "/m"\nretension = { daily = 7 }\n',
+     ':4: filesystem[0].retension: unknown key'),
+    ('[[filesystem]]\nname = "x"\nmountpoint = "/m"\nretention = { daily = -1 }\n',
+     ':4: filesystem[0].retention: daily must be a count'),
+    ('[[filesystem]]\nname = "x"\nmountpoint = "/m"\n[[filesystem.mirror]]\nurl = "ftp://x"\n',
+     ':5: filesystem[0].mirror[0].url: expected file:///path or http(s)://host:port'),
+    ('[[filesystem]]\nname = "x"\n', 'filesystem[0].mountpoint: missing'),
+    ('[daemon\n', 'Expected'),
+    ('', 'no [[filesystem]] configured'),
+])
+def test_a_bad_config_is_refused_with_key_and_line(tmp_path, body, message):
+    config = tmp_path / "bad.toml"
+    config.write_text(body)
+    res = subprocess.run([sys.executable, "-m", "daemon.cli", "--config", str(config)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"mountfsd: {config}")
+    assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_check_is_critical_for_a_mirror_never_replicated(mounted, tmp_path):
+    config = write_config(tmp_path / "data.toml", mounted.mnt, tmp_path / "state",
+                          "file:///nonexistent", tmp_path / "token")
+    res = mounted.snapctl("check", "--config", config, check=False)
+    assert res.returncode == 2
+    assert res.stdout.strip() == "CRITICAL: data -> file:///nonexistent: never replicated"
