@@ -33,7 +33,7 @@ from replicator.endpoints import open_mirror
 
 from . import config as config_mod
 from .metrics import Metrics
-from .notify import notify, watchdog_interval
+from mountfs.sdnotify import notify, watchdog_interval
 from .retention import decide
 from .status import DaemonState, store_figures, write_state
 

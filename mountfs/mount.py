@@ -26,6 +26,7 @@ from .control import ControlServer
 from .engine import Engine
 from .namespace import FsError
 from .ops import Operations
+from .sdnotify import notify
 from .store import Store, StoreError, lock_holder
 
 log = logging.getLogger(__name__)
@@ -136,10 +137,11 @@ async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> Non
         nursery.start_soon(_on_signals)
         if ready:
             ready(None)
-        _notify_systemd(b"READY=1")
+        notify(READY="1", STATUS=f"mounted {engine.store.path} at {mountpoint}")
         log.info("mounted %s at %s", engine.store.path, mountpoint)
         await pyfuse3.main()
         log.info("unmounting %s: flushing", mountpoint)
+        notify(STOPPING="1", STATUS="unmounting: flushing")
         engine.files.nursery = None
         try:
             await engine.files.flush_all()
@@ -154,17 +156,6 @@ async def _on_signals() -> None:
         async for _ in signals:
             log.info("signal received: unmounting")
             pyfuse3.terminate()
-
-
-def _notify_systemd(msg: bytes) -> None:
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return
-    import socket
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.sendto(msg, addr)
 
 
 # ---- starting in the background and stopping -------------------------------------------------
