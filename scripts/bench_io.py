@@ -1,0 +1,456 @@
+#!/usr/bin/env python3
+"""Benchmark of issue 2: I/O through a mountfs mount against a plain directory on the same disk,
+in the same run, printed as ratios; snapshot creation latency at two store sizes; and a
+chunk-size sweep that justifies the default chunk size.
+
+    .venv/bin/python scripts/bench_io.py            # the issue's figures (1 GiB, 10,000 files...)
+    .venv/bin/python scripts/bench_io.py --quick    # a smoke run (seconds)
+
+Needs root (it drops the page cache between writing and reading) and FUSE. It uses the
+installed command lines (.venv/bin/mountfs, .venv/bin/snapctl) on a temporary store and
+mountpoint under --workdir, next to the plain baseline directory, and unmounts and removes
+everything at the end, also on an error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = REPO / ".venv" / "bin"
+sys.path.insert(0, str(REPO))
+
+MiB = 1 << 20
+TARGETS = {"throughput_ratio": 0.40, "small_ops": 3000, "snapshot_ms": 20.0}
+
+
+# ---- shared helpers (bench_diff.py uses them too) ------------------------------------------
+
+def parse_size(text: str) -> int:
+    """'64K', '1M', '4G' or a number of bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def run(*cmd, **kw) -> subprocess.CompletedProcess:
+    """Run a command, failing loudly with its output."""
+    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({res.returncode}): "
+                           f"{res.stderr.strip() or res.stdout.strip()}")
+    return res
+
+
+def drop_caches() -> None:
+    """Write back and drop the page cache, dentries and inodes (root only)."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+class Workdir:
+    """A temporary directory on a real disk holding the stores, the mountpoints and the
+    baseline directory. On exit (also on Ctrl-C or SIGTERM) every mount made through it is
+    unmounted and the directory removed."""
+
+    def __init__(self, base: str, prefix: str):
+        fstype = run("stat", "-f", "-c", "%T", base).stdout.strip()
+        if fstype in ("tmpfs", "ramfs"):
+            raise SystemExit(f"{base} is {fstype}: choose a --workdir on a real disk")
+        self.path = Path(tempfile.mkdtemp(prefix=prefix + "-", dir=base))
+        self.mounts: list[Path] = []
+
+    def __enter__(self) -> "Workdir":
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        signal.signal(signal.SIGHUP, _raise_interrupt)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mnt in reversed(self.mounts):
+            if subprocess.run([VENV_BIN / "mountfs", "umount", mnt],
+                              capture_output=True).returncode != 0:
+                subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def mount(work: Workdir, store: Path, mnt: Path) -> None:
+    run(VENV_BIN / "mountfs", "mount", store, mnt)
+    work.mounts.append(mnt)
+
+
+def umount(work: Workdir, mnt: Path) -> None:
+    run(VENV_BIN / "mountfs", "umount", mnt)
+    work.mounts.remove(mnt)
+
+
+def mkfs(store: Path, chunk_size: str = "1M") -> None:
+    run(VENV_BIN / "mountfs", "mkfs", "--chunk-size", chunk_size, store)
+
+
+def machine_info(path: Path) -> str:
+    """What the figures were measured on (for docs/benchmarks.md)."""
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    df = run("df", "-T", path).stdout.splitlines()[-1].split()
+    return (f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
+            f"{os.cpu_count()} CPUs ({cpu}), {mem_gib:.0f} GiB RAM; disk {df[0]} ({df[1]}); "
+            f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for n, row in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+class Results:
+    """Figures collected for --json."""
+
+    def __init__(self, name: str, args: dict):
+        self.data = {"benchmark": name, "args": args, "results": {}}
+
+    def add(self, key: str, value) -> None:
+        self.data["results"][key] = value
+
+    def write(self, path: str) -> None:
+        self.data["machine"] = machine_info(Path(path).resolve().parent)
+        Path(path).write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+
+
+def verdict(ok: bool) -> str:
+    return "meets target" if ok else "MISSES target"
+
+
+# ---- sequential I/O --------------------------------------------------------------------------
+
+def write_file(path: Path, size: int, block: int) -> float:
+    """Seconds to write ``size`` bytes in ``block``-sized writes, fsync and close. Each 4 KiB
+    of the data is unique, so the store's content addressing cannot deduplicate any chunk."""
+    buf = bytearray(os.urandom(block))
+    stamps = range(0, block, 4096)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for n in range(size // block):
+            for off in stamps:
+                struct.pack_into("<Q", buf, off, (n * block + off) // 4096)
+            os.write(fd, buf)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def read_file(path: Path, block: int) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    total = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while chunk := os.read(fd, block):
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0, total
+
+
+def seq_pair(work: Workdir, target: Path, size: int, block: int, remount=None) -> dict:
+    """Write then read one file at ``target``: MB/s each. The page cache is dropped in
+    between (and the mount remounted, when ``remount`` is given, so nothing is cached in the
+    mount process either)."""
+    w = write_file(target, size, block)
+    if remount:
+        remount()
+    drop_caches()
+    r, got = read_file(target, block)
+    if got != size:
+        raise RuntimeError(f"read {got} bytes of {target}, wrote {size}")
+    os.unlink(target)
+    return {"write_mbs": size / w / 1e6, "read_mbs": size / r / 1e6}
+
+
+class MountedStore:
+    """A fresh store mounted in the work directory."""
+
+    def __init__(self, work: Workdir, name: str, chunk_size: str = "1M", store: Path = None):
+        self.work = work
+        self.store = store or work.path / f"{name}.store"
+        self.mnt = work.path / f"{name}.mnt"
+        if store is None:
+            mkfs(self.store, chunk_size)
+        self.mnt.mkdir()
+        mount(work, self.store, self.mnt)
+
+    def remount(self) -> None:
+        umount(self.work, self.mnt)
+        mount(self.work, self.store, self.mnt)
+
+    def pid(self) -> int:
+        return int((self.store / "lock").read_text().split()[1])
+
+    def close(self) -> None:
+        umount(self.work, self.mnt)
+        shutil.rmtree(self.store)
+
+
+def bench_seq(work: Workdir, size: int, block: int, res: Results) -> None:
+    plain = work.path / "plain"
+    plain.mkdir(exist_ok=True)
+    base = seq_pair(work, plain / "big", size, block)
+    m = MountedStore(work, "seq")
+    try:
+        mnt = seq_pair(work, m.mnt / "big", size, block, remount=m.remount)
+    finally:
+        m.close()
+    rows, out = [], {}
+    for key, label in (("write_mbs", "seq write MB/s"), ("read_mbs", "seq read MB/s")):
+        ratio = mnt[key] / base[key]
+        out[key] = {"mount": mnt[key], "plain": base[key], "ratio": ratio}
+        rows.append([label, f"{mnt[key]:.0f}", f"{base[key]:.0f}", f"{ratio:.0%}",
+                     verdict(ratio >= TARGETS["throughput_ratio"])])
+    res.add("sequential", out)
+    print_table(f"sequential I/O, {size // MiB} MiB file in {block // 1024} KiB blocks "
+                f"(write includes fsync+close; caches dropped before the read)",
+                ["figure", "mount", "plain dir", "ratio", "target >= 40%"], rows)
+
+
+# ---- small files -----------------------------------------------------------------------------
+
+def small_files(root: Path, count: int, size: int, remount=None) -> dict:
+    """ops/s of creating (with ``size`` bytes of content), stat-ing (warm, then with the
+    kernel's caches dropped) and deleting ``count`` files in one directory."""
+    d = root / "small"
+    d.mkdir()
+    names = [d / f"f{i:06d}" for i in range(count)]
+    data = os.urandom(size)
+    t0 = time.perf_counter()
+    for p in names:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, data)
+        os.close(fd)
+    create = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for p in names:
+        os.stat(p)
+    stat_warm = time.perf_counter() - t0
+    if remount:
+        remount()
+    drop_caches()
+    t0 = time.perf_counter()
+    for p in names:
+        if os.stat(p).st_size != size:
+            raise RuntimeError(f"{p} has the wrong size")
+    stat_cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for p in names:
+        os.unlink(p)
+    delete = time.perf_counter() - t0
+    d.rmdir()
+    return {k: count / v for k, v in (("create", create), ("stat_warm", stat_warm),
+                                      ("stat_cold", stat_cold), ("delete", delete))}
+
+
+def bench_small(work: Workdir, count: int, size: int, res: Results) -> None:
+    plain = work.path / "plain"
+    plain.mkdir(exist_ok=True)
+    base = small_files(plain, count, size)
+    m = MountedStore(work, "small")
+    try:
+        mnt = small_files(m.mnt, count, size, remount=m.remount)
+    finally:
+        m.close()
+    rows, out = [], {}
+    for key in ("create", "stat_warm", "stat_cold", "delete"):
+        ratio = mnt[key] / base[key]
+        out[key] = {"mount": mnt[key], "plain": base[key], "ratio": ratio}
+        rows.append([f"{key} ops/s", f"{mnt[key]:,.0f}", f"{base[key]:,.0f}", f"{ratio:.1%}",
+                     verdict(mnt[key] >= TARGETS["small_ops"])])
+    res.add("small_files", out)
+    print_table(f"{count:,} small files of {size} bytes in one directory (stat_cold: after "
+                f"remount and drop_caches)",
+                ["figure", "mount", "plain dir", "ratio", "target >= 3000/s"], rows)
+
+
+# ---- snapshot creation -----------------------------------------------------------------------
+
+def _percentile(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(p * (len(s) - 1)))]
+
+
+def snapshot_latency(m: MountedStore, creates: int) -> dict:
+    """ms per snapshot: through the `snapctl create` command (process start-up included), and
+    as the request snapctl sends (syncfs + the control-socket round trip). One small file is
+    written before each, so every snapshot has something in it."""
+    from mountfs import control
+    from mountfs.snapctl import syncfs
+    cli, req = [], []
+    for i in range(creates * 2):
+        (m.mnt / f"between{i}").write_bytes(b"x" * 100)
+        t0 = time.perf_counter()
+        if i % 2 == 0:
+            run(VENV_BIN / "snapctl", "-m", m.mnt, "create", f"cli{i}")
+            cli.append(time.perf_counter() - t0)
+        else:
+            syncfs(str(m.mnt))
+            control.request(m.store, {"op": "create", "name": f"req{i}"})
+            req.append(time.perf_counter() - t0)
+    return {f"{name}_{stat}_ms": fn(vals) * 1e3 for name, vals in (("cli", cli), ("req", req))
+            for stat, fn in (("median", statistics.median),
+                             ("p95", lambda v: _percentile(v, 0.95)))}
+
+
+def cp_baseline(work: Workdir, nfiles: int, ndirs: int) -> float:
+    """ms of `cp -a` of a plain tree like the smaller store (the copy a snapshot avoids)."""
+    src = work.path / "plain-tree"
+    for d in range(ndirs):
+        (src / f"dir{d:04d}").mkdir(parents=True)
+    for i in range(nfiles):
+        (src / f"dir{i % ndirs:04d}" / f"file{i:07d}").write_bytes(b"content %d\n" % i)
+    drop_caches()
+    t0 = time.perf_counter()
+    run("cp", "-a", src, work.path / "plain-tree-copy")
+    took = time.perf_counter() - t0
+    shutil.rmtree(src)
+    shutil.rmtree(work.path / "plain-tree-copy")
+    return took * 1e3
+
+
+def bench_snapshots(work: Workdir, sizes: list[int], creates: int, res: Results) -> None:
+    from bench_diff import build_tree
+    out = {}
+    for n in sizes:
+        store = work.path / f"snap{n}.store"
+        build_tree(store, n, max(1, min(1000, n // 100)), progress=False)
+        m = MountedStore(work, f"snap{n}", store=store)
+        try:
+            out[n] = snapshot_latency(m, creates)
+        finally:
+            m.close()
+    t0 = time.perf_counter()
+    run(VENV_BIN / "snapctl", "--help")
+    startup = (time.perf_counter() - t0) * 1e3
+    cp_ms = cp_baseline(work, sizes[0], max(1, min(1000, sizes[0] // 100)))
+    small, big = out[sizes[0]], out[sizes[-1]]
+    rows = []
+    for key, label in (("req_median_ms", "request median"), ("req_p95_ms", "request p95"),
+                       ("cli_median_ms", "snapctl create median"),
+                       ("cli_p95_ms", "snapctl create p95")):
+        rows.append([label, f"{small[key]:.1f}", f"{big[key]:.1f}",
+                     f"{big[key] / small[key]:.2f}", verdict(max(small[key], big[key]) < 20)])
+    res.add("snapshot_create", {"by_files": out, "cp_a_ms": cp_ms, "snapctl_help_ms": startup})
+    print_table(f"snapshot create latency over {creates} creates each (ms; 'request' is what "
+                f"snapctl does after its start-up: syncfs + the control request)",
+                ["figure", f"{sizes[0]:,} files", f"{sizes[-1]:,} files",
+                 f"{sizes[-1] // sizes[0]}x/1x", "target < 20 ms"], rows)
+    print(f"baselines: there is no snapshot of a plain directory; `cp -a` of the "
+          f"{sizes[0]:,}-file tree (cold cache) takes {cp_ms:.0f} ms; `snapctl --help` "
+          f"(start-up alone) takes {startup:.0f} ms")
+
+
+# ---- chunk-size sweep ------------------------------------------------------------------------
+
+def bench_sweep(work: Workdir, chunk_sizes: list[str], size: int, block: int,
+                res: Results) -> None:
+    plain = work.path / "plain"
+    plain.mkdir(exist_ok=True)
+    base = seq_pair(work, plain / "sweep", size, block)
+    rows, out = [], {"plain": base}
+    for cs in chunk_sizes:
+        m = MountedStore(work, f"sweep{cs}", chunk_size=cs)
+        try:
+            fig = seq_pair(work, m.mnt / "sweep", size, block, remount=m.remount)
+        finally:
+            m.close()
+        out[cs] = fig
+        rows.append([cs, f"{fig['write_mbs']:.0f}", f"{fig['write_mbs'] / base['write_mbs']:.0%}",
+                     f"{fig['read_mbs']:.0f}", f"{fig['read_mbs'] / base['read_mbs']:.0%}"])
+    rows.append(["plain dir", f"{base['write_mbs']:.0f}", "100%", f"{base['read_mbs']:.0f}",
+                 "100%"])
+    res.add("chunk_size_sweep", out)
+    print_table(f"chunk-size sweep: {size // MiB} MiB sequential write (with fsync) and cold "
+                f"read, {block // 1024} KiB blocks",
+                ["chunk size", "write MB/s", "of plain", "read MB/s", "of plain"], rows)
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="1G", help="sequential file size (default: 1G)")
+    p.add_argument("--block", default="1M", help="write/read block size (default: 1M)")
+    p.add_argument("--files", type=int, default=10000, help="small files (default: 10000)")
+    p.add_argument("--file-size", type=int, default=1024,
+                   help="bytes per small file (default: 1024)")
+    p.add_argument("--snap-sizes", default="1000,100000",
+                   help="store sizes (files) for snapshot latency (default: %(default)s)")
+    p.add_argument("--creates", type=int, default=20,
+                   help="snapshot creates per size and method (default: 20)")
+    p.add_argument("--chunk-sizes", default="64K,256K,1M,4M",
+                   help="chunk sizes of the sweep (default: %(default)s)")
+    p.add_argument("--sweep-size", default="256M", help="file size of the sweep (default: 256M)")
+    p.add_argument("--only", choices=["seq", "small", "snap", "sweep"], action="append",
+                   help="run only these benchmarks (repeatable)")
+    p.add_argument("--workdir", default="/var/tmp",
+                   help="where the store, mountpoint and baseline go: the same disk for "
+                        "both, not tmpfs (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.files, args.snap_sizes, args.creates = "32M", 500, "100,2000", 5
+        args.chunk_sizes, args.sweep_size = "64K,1M", "16M"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("bench_io needs root (to drop the page cache)")
+    only = set(args.only or ["seq", "small", "snap", "sweep"])
+    block = parse_size(args.block)
+    res = Results("bench_io", vars(args))
+    with Workdir(args.workdir, "bench-io") as work:
+        print(machine_info(work.path))
+        if "seq" in only:
+            bench_seq(work, parse_size(args.size), block, res)
+        if "small" in only:
+            bench_small(work, args.files, args.file_size, res)
+        if "snap" in only:
+            bench_snapshots(work, [int(s) for s in args.snap_sizes.split(",")], args.creates,
+                            res)
+        if "sweep" in only:
+            bench_sweep(work, args.chunk_sizes.split(","), parse_size(args.sweep_size), block,
+                        res)
+    if args.json:
+        res.write(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
