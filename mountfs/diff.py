@@ -186,6 +186,8 @@ class Differ:
     def _removed(self, d: int, name: bytes, x: int, implied: bool) -> Iterator[Entry]:
         """``x`` was at d/name at FROM and is not at TO."""
         old, new = self.old.get(x), self.new.inode(x)
+        if new is not None and new.nlink == 0:
+            new = None      # unlinked but still open at TO (an orphan): deleted, no location
         self.touched_inodes.add(x)
         src = _join(self.old_path(d), name)
         if new is not None and (old.parent, old.name) == (d, name) and self._moved(x, old, new):
