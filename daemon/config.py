@@ -15,6 +15,7 @@ snapshot_prefix = "auto-"           # names of the daemon's own snapshots
 retention = { hourly = 24, daily = 7, weekly = 4, monthly = 6 }
 lag_warning = "5m"                  # snapctl check thresholds
 lag_critical = "1h"
+spark_threshold = 16777216          # bytes sent without starting Spark (0: always Spark)
 
 [[filesystem.mirror]]
 url = "http://backup:8765"
@@ -65,6 +66,7 @@ class FilesystemConfig:
     lag_warning: float = 300.0
     lag_critical: float = 3600.0
     stall_timeout: float = 300.0
+    spark_threshold: int = 16 << 20
     mirrors: list[MirrorConfig] = field(default_factory=list)
 
 
@@ -131,7 +133,7 @@ class _Checker:
     def filesystem(self, raw: dict, where: str) -> FilesystemConfig:
         self.only(raw, where, {"name", "mountpoint", "min_interval", "max_interval",
                                "snapshot_prefix", "retention", "lag_warning", "lag_critical",
-                               "stall_timeout", "mirror"})
+                               "stall_timeout", "spark_threshold", "mirror"})
         fs = FilesystemConfig(
             name=self.string(raw, where, "name", required=True),
             mountpoint=self.string(raw, where, "mountpoint", required=True),
@@ -141,7 +143,8 @@ class _Checker:
             retention=self.policy(raw, where),
             lag_warning=self.duration(raw, where, "lag_warning", 300.0),
             lag_critical=self.duration(raw, where, "lag_critical", 3600.0),
-            stall_timeout=self.duration(raw, where, "stall_timeout", 300.0))
+            stall_timeout=self.duration(raw, where, "stall_timeout", 300.0),
+            spark_threshold=self.count(raw, where, "spark_threshold", 16 << 20))
         if fs.max_interval < fs.min_interval:
             self.fail(where, "max_interval", "must not be shorter than min_interval")
         if fs.lag_critical < fs.lag_warning:
@@ -179,6 +182,12 @@ class _Checker:
         if not isinstance(raw[key], str) or not raw[key]:
             self.fail(where, key, "expected a non-empty string")
         return raw[key]
+
+    def count(self, raw, where, key, default: int) -> int:
+        value = raw.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            self.fail(where, key, "expected a whole number >= 0 (bytes)")
+        return value
 
     def duration(self, raw, where, key, default: float) -> float:
         if key not in raw:

@@ -60,6 +60,7 @@ class FilesystemLoop:
         self.last_snapshot_at = 0.0            # monotonic; 0: none by this process yet
 
     async def run(self) -> None:
+        await trio.to_thread.run_sync(self.publish)
         while True:
             try:
                 await self.step()
@@ -150,7 +151,8 @@ class FilesystemLoop:
                                ca_file=mirror.ca_file)
         try:
             result = replicate(store, endpoint, name, master=self.daemon.spark_master,
-                               stall_seconds=self.fs.stall_timeout)
+                               stall_seconds=self.fs.stall_timeout,
+                               inline_bytes=self.fs.spark_threshold)
             mirror_uuid = endpoint.info()["uuid"]
             if mirror.retention is not None:
                 self._prune_mirror(endpoint, mirror)

@@ -337,12 +337,14 @@ def restore(ctx, name, path, dest, force, mirror_url, token_file, ca_file):
               help="Trust only this CA certificate for an https mirror (self-signed).")
 @click.option("--batch-size", default="32M", show_default=True,
               help="Bytes of chunks per Spark task (K, M, G suffixes).")
+@click.option("--spark-threshold", default="16M", show_default=True,
+              help="Send at most this much without starting Spark (0: always use Spark).")
 @click.option("--stall-timeout", default=300.0, show_default=True, metavar="SECONDS",
               help="Cancel a transfer that makes no progress for this long (rerun resumes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.pass_context
 def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, batch_size,
-              stall_timeout, as_json):
+              spark_threshold, stall_timeout, as_json):
     """Send a snapshot to a mirror: only what changed since the newest snapshot both hold.
 
     Renames and deletes, creates and modifies, then the snapshot of the same name, are
@@ -356,6 +358,7 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
     target = _target(ctx)
     try:
         batch_bytes = parse_size(batch_size)
+        inline_bytes = parse_size(spark_threshold)
         if name is None:
             stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
             name = _create_snapshot(target, f"repl-{stamp}")["name"]
@@ -369,7 +372,7 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
                 result = run_cycle(target.store, mirror, name, force=force,
                                    master=spark_master, batch_bytes=batch_bytes,
                                    stall_seconds=stall_timeout,
-                                   progress=progress)
+                                   progress=progress, inline_bytes=inline_bytes)
             _hold(target, mirror.info()["uuid"], result.snapshot, mirror_url)
         finally:
             mirror.close()

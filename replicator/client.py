@@ -91,8 +91,8 @@ class HttpMirror:
     def rollback_to(self, base_uuid: str) -> None:
         _call(self.client, "POST", "/v1/rollback", compress_json({"base_uuid": base_uuid}))
 
-    def stage(self, chunks) -> None:
-        self.sink.put(chunks)
+    def stage(self, chunks) -> tuple[int, int]:
+        return self.sink.put(chunks)
 
     def delete_snapshot(self, name: str) -> None:
         _call(self.client, "POST", "/v1/delete-snapshot", compress_json({"name": name}))

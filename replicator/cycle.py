@@ -54,9 +54,10 @@ class CycleResult:
 def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
               master: str | None = None, batch_bytes: int = transfer.DEFAULT_BATCH_BYTES,
               stall_seconds: float = transfer.DEFAULT_STALL_SECONDS,
-              progress=None) -> CycleResult:
+              progress=None, inline_bytes: int = 0) -> CycleResult:
     """Send snapshot ``snapshot`` of the store at ``source_path`` to ``mirror`` (an
-    endpoint from replicator.endpoints)."""
+    endpoint from replicator.endpoints). Transfers of at most ``inline_bytes`` skip Spark
+    (starting its JVM costs seconds; a few changed chunks take milliseconds)."""
     started = time.monotonic()
     source = Store.open(source_path, readonly=True, lock=False)
     try:
@@ -89,9 +90,12 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
         wanted = cs.digests()
         lacking = mirror.missing(list(wanted))
         todo = [(d, wanted[d]) for d in lacking]
-        sent = transfer.send(str(source.path), mirror.sink,
-                             transfer.batches(todo, batch_bytes), master=master,
-                             stall_seconds=stall_seconds, progress=progress)
+        chunk_batches = transfer.batches(todo, batch_bytes)
+        if sum(n for _, n in todo) <= inline_bytes:
+            sent = transfer.send_inline(source, mirror.stage, chunk_batches, progress)
+        else:
+            sent = transfer.send(str(source.path), mirror.sink, chunk_batches, master=master,
+                                 stall_seconds=stall_seconds, progress=progress)
         mirror.commit(source.uuid, base.uuid.hex() if base else None,
                       SnapshotRef(snap.name, snap.uuid.hex(), snap.created_ns), cs,
                       reconcile=reconciling)

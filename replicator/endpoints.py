@@ -73,9 +73,9 @@ class LocalMirror:
             mirror.rollback_to(txn, self.store.db, self.store.chunk_size, base_uuid)
         self.store.sync()
 
-    def stage(self, chunks) -> None:
+    def stage(self, chunks) -> tuple[int, int]:
         with self.store.write() as txn:
-            mirror.stage(txn, self.store.db, chunks)
+            return mirror.stage(txn, self.store.db, chunks)
 
     def delete_snapshot(self, name: str) -> None:
         mirror.delete_snapshot(self.store, name)

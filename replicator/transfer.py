@@ -147,6 +147,33 @@ def send(source: str, sink, chunk_batches: list, master: str | None = None,
     return sent
 
 
+def send_inline(store, stage, chunk_batches: list, progress=None) -> Sent:
+    """The same batches sent from this process, without Spark (small transfers):
+    ``stage(list of (digest, data))`` returns (chunks, bytes) stored."""
+    sent, total = Sent(), sum(n for batch in chunk_batches for _, n in batch)
+    chunks = sum(len(batch) for batch in chunk_batches)
+    done = 0
+    for batch in chunk_batches:
+        with store.read() as txn:
+            data = [(bytes.fromhex(h), _blob(txn, store, h)) for h, _ in batch]
+        stored, nbytes = stage(data)
+        sent.chunks += stored
+        sent.bytes += nbytes
+        done += sum(n for _, n in batch)
+        if progress:
+            progress(done, total, chunks)
+    return sent
+
+
+def _blob(txn, store, hexdigest: str) -> bytes:
+    from mountfs.store import StoreError
+    data = txn.get(bytes.fromhex(hexdigest), db=store.db["blobs"])
+    if data is None:
+        raise StoreError(f"source chunk {hexdigest[:16]} is missing (was the snapshot "
+                         f"deleted?)")
+    return bytes(data)
+
+
 class TransferFailed(Exception):
     """The Spark job failed; chunks staged before the failure stay on the mirror."""
 
@@ -206,18 +233,11 @@ class _BatchSender:
         self.sink = sink
 
     def __call__(self, batch: list[tuple[str, int]]) -> tuple[int, int]:
-        from mountfs.store import Store, StoreError
+        from mountfs.store import Store
         store = Store.open(self.source, readonly=True, lock=False)
         try:
-            chunks = []
             with store.read() as txn:
-                for hexdigest, _ in batch:
-                    digest = bytes.fromhex(hexdigest)
-                    data = txn.get(digest, db=store.db["blobs"])
-                    if data is None:
-                        raise StoreError(f"source chunk {hexdigest[:16]} is missing (was "
-                                         f"the snapshot deleted?)")
-                    chunks.append((digest, bytes(data)))
+                chunks = [(bytes.fromhex(h), _blob(txn, store, h)) for h, _ in batch]
         finally:
             store.close()
         return self.sink.put(chunks)

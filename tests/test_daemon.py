@@ -168,7 +168,7 @@ def test_daemon_killed_mid_cycle_converges_after_restart(mounted, receiver, daem
     m = mounted
     r = receiver()
     config = write_config(tmp_path / "data.toml", m.mnt, tmp_path / "state", r.url,
-                          tmp_path / "token")
+                          tmp_path / "token", extra_fs="spark_threshold = 0")
     for i in range(16):
         (m.mnt / f"big{i}").write_bytes(os.urandom(1 << 20))
     d = daemon(config)
