@@ -21,7 +21,8 @@ from replicator.cycle import replicate
 from replicator.mirror import MirrorError
 
 from conftest import Mount
-from test_replicate import assert_mirror_equals, populate, churn, spark  # noqa: F401
+from test_replicate import (assert_mirror_equals, churn, populate, spark,  # noqa: F401
+                            staged_count)
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 
@@ -150,25 +151,13 @@ def test_malformed_requests_are_refused(receiver):
 
 def test_receiver_killed_mid_transfer_then_resumed(mounted, receiver, tmp_path):
     m = mounted
-    for i in range(24):
-        (m.mnt / f"f{i}").write_bytes(os.urandom(1 << 20))
-    m.snapctl("create", "s1")
     r = receiver()
-    token_file = tmp_path / "token"
-    proc = subprocess.Popen([sys.executable, "-m", "mountfs.snapctl", "-m", str(m.mnt),
-                             "replicate", "--to", r.url, "--token-file", str(token_file),
-                             "--snapshot", "s1", "--batch-size", "1M"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while staged(r.store) == 0:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the transfer never started"
-        time.sleep(0.05)
+    proc = replicate_cli(m, r, tmp_path)
     r.kill9()                                          # the link (and the receiver) die
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
     assert err.startswith("snapctl: ") and "Traceback" not in err
-    kept = staged(r.store)
+    kept = staged_count(r.store)
     assert kept > 0
     r2 = receiver()
     result = send(m, r2.url, "s1")
@@ -177,16 +166,22 @@ def test_receiver_killed_mid_transfer_then_resumed(mounted, receiver, tmp_path):
     assert_mirror_equals(m, tmp_path / "mirror", "s1", tmp_path)
 
 
-def staged(store_path: Path) -> int:
-    try:
-        store = Store.open(store_path, readonly=True, lock=False)
-    except Exception:
-        return 0
-    try:
-        with store.read() as txn:
-            return txn.stat(store.db["staged"])["entries"]
-    finally:
-        store.close()
+def replicate_cli(m, r: Receiver, tmp_path: Path, *args) -> subprocess.Popen:
+    """``snapctl replicate`` of 24 MiB in 1 MiB batches to ``r``, once it has started
+    staging chunks (so that whatever happens next happens mid-transfer)."""
+    for i in range(24):
+        (m.mnt / f"f{i}").write_bytes(os.urandom(1 << 20))
+    m.snapctl("create", "s1")
+    proc = subprocess.Popen([sys.executable, "-m", "mountfs.snapctl", "-m", str(m.mnt),
+                             "replicate", "--to", r.url, "--token-file", str(tmp_path / "token"),
+                             "--snapshot", "s1", "--batch-size", "1M", "--spark-threshold", "0",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while staged_count(r.store) == 0:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the transfer never started"
+        time.sleep(0.05)
+    return proc
 
 
 def test_https_with_a_self_signed_certificate(spark, mounted, receiver, tmp_path):
@@ -248,19 +243,8 @@ def test_restore_from_an_http_mirror(spark, mounted, receiver, tmp_path):
 
 def test_a_hung_receiver_trips_the_watchdog_and_the_rerun_resumes(mounted, receiver, tmp_path):
     m = mounted
-    for i in range(24):
-        (m.mnt / f"f{i}").write_bytes(os.urandom(1 << 20))
-    m.snapctl("create", "s1")
     r = receiver()
-    proc = subprocess.Popen([sys.executable, "-m", "mountfs.snapctl", "-m", str(m.mnt),
-                             "replicate", "--to", r.url, "--token-file", str(tmp_path / "token"),
-                             "--snapshot", "s1", "--batch-size", "1M", "--stall-timeout", "3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while staged(r.store) == 0:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the transfer never started"
-        time.sleep(0.05)
+    proc = replicate_cli(m, r, tmp_path, "--stall-timeout", "3")
     r.proc.send_signal(signal.SIGSTOP)                 # the peer hangs: no error, no bytes
     try:
         out, err = proc.communicate(timeout=120)
