@@ -166,7 +166,7 @@ def prune(ctx, config_path, dry_run):
     keeps it, and delete the others (never a mirror's base, never the newest)."""
     from mountfs import control
     from .service import local_decisions
-    for name, mp, store, urls, state_file, fs in _filesystems(ctx, config_path):
+    for name, mp, store, _, _, fs in _filesystems(ctx, config_path):
         if fs.retention is None:
             click.echo(f"{name}: no retention policy; nothing to prune")
             continue

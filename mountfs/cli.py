@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from .store import DEFAULT_CHUNK_SIZE, StoreError
+from .store import StoreError
 
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

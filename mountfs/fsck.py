@@ -111,7 +111,6 @@ def _newest_epoch(txn, db, prefix: bytes, upto: int) -> int:
 
 
 def _check_tree(view: View, report: Report, where: str, live: bool) -> None:
-    txn, dbs, epoch = view.txn, view.db, view.epoch
     names = Counter()
     seen_dirs = set()
     reached = set()

@@ -315,7 +315,7 @@ def _adopt(live: Live, digest: bytes, length: int) -> None:
 def _check_tree(live: Live, cs: Changeset, arrived_dirs: list[int]) -> None:
     """After the changes: every new entry names an inode that exists, and every directory
     that arrived somewhere still hangs from the root (no cycle, nothing detached)."""
-    for (d, name), child in cs.entries.items():
+    for (_, name), child in cs.entries.items():
         if child is not None and live.inode(child) is None:
             raise MirrorError(f"commit links {name!r} to inode {child}, which it does not "
                               f"carry")

@@ -95,7 +95,7 @@ def _write_file(mirror, local: Store, p: Path, entry: dict, chunk_size: int,
         for start in range(0, len(leaves), FETCH_BATCH):
             batch = leaves[start:start + FETCH_BATCH]
             data = _chunk_data(mirror, local, [bytes.fromhex(d) for _, d, _ in batch], result)
-            for (index, digest, _), chunk in zip(batch, data):
+            for (index, _, _), chunk in zip(batch, data, strict=True):
                 f.seek(index * chunk_size)
                 f.write(chunk)
         f.truncate(entry["size"])

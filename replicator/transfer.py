@@ -183,15 +183,21 @@ class TransferStalled(TransferFailed):
 
 
 def _watch(sc, group, worker, total, stall_seconds, progress) -> None:
-    done, last_change = 0, time.monotonic()
+    """Report finished batches; cancel the job when none finishes for ``stall_seconds``
+    while tasks are running (the clock starts with the first running task, so starting
+    executors and Python workers is not a stall)."""
+    done, last_change = 0, None
     tracker = sc.statusTracker()
     while worker.is_alive():
         worker.join(0.2)
-        now_done = _completed_tasks(tracker, group)
+        now_done, running = _task_counts(tracker, group)
         if now_done != done:
             done, last_change = now_done, time.monotonic()
             if progress:
                 progress(min(done, total))
+        elif last_change is None:
+            if running:
+                last_change = time.monotonic()
         elif time.monotonic() - last_change > stall_seconds:
             sc.cancelJobGroup(group)
             worker.join()
@@ -201,15 +207,17 @@ def _watch(sc, group, worker, total, stall_seconds, progress) -> None:
         progress(total)
 
 
-def _completed_tasks(tracker, group) -> int:
-    done = 0
+def _task_counts(tracker, group) -> tuple[int, int]:
+    """(finished, running) tasks of the job group."""
+    done = running = 0
     for job_id in tracker.getJobIdsForGroup(group):
         job = tracker.getJobInfo(job_id)
         for stage_id in (job.stageIds if job else []):
             info = tracker.getStageInfo(stage_id)
             if info:
                 done += info.numCompletedTasks
-    return done
+                running += info.numActiveTasks
+    return done, running
 
 
 def _spark_message(error: BaseException) -> str:

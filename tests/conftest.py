@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -152,3 +153,80 @@ def make_mount(tmp_path):
 @pytest.fixture
 def mounted(make_mount) -> Mount:
     return make_mount()
+
+
+# ---- replication: one Spark session, real receivers ------------------------------------------
+
+@pytest.fixture(scope="session")
+def spark():
+    """One embedded Spark session for every replication test of the session."""
+    from replicator import transfer
+    return transfer.spark_session()
+
+
+TOKEN = "s3cret-token-for-tests-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Receiver:
+    """A ``mountfs serve-mirror`` process on a loopback port."""
+
+    def __init__(self, store: Path, token_file: Path, tls: tuple[Path, Path] | None = None):
+        self.store, self.token_file, self.tls = store, token_file, tls
+        self.port = free_port()
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self) -> "Receiver":
+        args = [sys.executable, "-m", "mountfs.cli", "serve-mirror", str(self.store),
+                "--listen", f"127.0.0.1:{self.port}", "--token-file", str(self.token_file)]
+        if self.tls:
+            args += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"serve-mirror exited: {self.proc.stderr.read()}")
+                assert time.monotonic() < deadline, "serve-mirror did not start listening"
+                time.sleep(0.1)
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+
+@pytest.fixture
+def receiver(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    started = []
+
+    def start(tls=None) -> Receiver:
+        r = Receiver(tmp_path / "mirror", token_file, tls).start()
+        started.append(r)
+        return r
+    yield start
+    for r in started:
+        r.stop()
+
+

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli
+from conftest import cli, free_port
 from test_replicate import tree_state
-from test_replicate_http import TOKEN, free_port, receiver  # noqa: F401
 
 
 def wait_for(what: str, predicate, timeout: float = 120.0, every: float = 0.3):

@@ -52,12 +52,6 @@ def tree_state(root: Path) -> dict:
     return out
 
 
-@pytest.fixture(scope="session")
-def spark():
-    """One embedded Spark session for every replication test."""
-    return transfer.spark_session()
-
-
 def send(m: Mount, mirror_path: Path, snapshot: str, **kw):
     mirror = LocalMirror(mirror_path, Store.open(m.store, readonly=True, lock=False).chunk_size)
     try:

@@ -21,7 +21,7 @@ from replicator.endpoints import LocalMirror
 from replicator.verify import verify
 
 from conftest import cli
-from test_replicate import assert_mirror_equals, send, spark  # noqa: F401
+from test_replicate import assert_mirror_equals, send
 
 
 def run_verify(m, mirror: Path, *args) -> subprocess.CompletedProcess:
