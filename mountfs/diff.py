@@ -96,7 +96,7 @@ class Differ:
     """diff(FROM, TO) over one read transaction."""
 
     def __init__(self, txn, dbs, chunk_size: int, from_epoch: int, to_epoch: int,
-                 with_chunks: bool = False):
+                 with_chunks: bool = False, track: bool = True):
         if from_epoch > to_epoch:
             raise ValueError("FROM is newer than TO")
         self.old = View(txn, dbs, from_epoch, chunk_size)
@@ -108,9 +108,11 @@ class Differ:
         self.new_path = lru_cache(maxsize=1 << 16)(lambda d: self._path(self.new, d))
         self._modified_links: set[int] = set()   # hard-linked files reported once
         # Every directory entry and inode the descent found changed (or possibly changed):
-        # the records a mirror needs, found without walking anything unchanged.
-        self.touched_entries: set[tuple[int, bytes]] = set()
-        self.touched_inodes: set[int] = set()
+        # the records a mirror needs, found without walking anything unchanged. They grow
+        # with the diff: without ``track`` (a plain report) they stay empty.
+        kind = set if track else _Untracked
+        self.touched_entries: set[tuple[int, bytes]] = kind()
+        self.touched_inodes: set[int] = kind()
 
     # ---- entry point -----------------------------------------------------------------------
 
@@ -283,9 +285,17 @@ class Differ:
         return "/".join(["."] + parts[::-1])
 
 
+class _Untracked(set):
+    """A set that stays empty, so that a streamed report keeps memory bounded."""
+
+    def add(self, item) -> None:
+        pass
+
+
 def diff(txn, dbs, chunk_size: int, from_epoch: int, to_epoch: int,
          with_chunks: bool = False) -> Iterator[Entry]:
-    return Differ(txn, dbs, chunk_size, from_epoch, to_epoch, with_chunks).entries()
+    return Differ(txn, dbs, chunk_size, from_epoch, to_epoch, with_chunks,
+                  track=False).entries()
 
 
 # ---- applying a report --------------------------------------------------------------------
