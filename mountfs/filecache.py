@@ -18,6 +18,7 @@ from .namespace import FsError
 
 DIRTY_LIMIT = 256 << 20         # bytes of dirty chunks before writers wait for flushes
 HASH_THREADS = trio.CapacityLimiter(2)
+INLINE_HASH = 64 << 10          # hashing this much takes microseconds: less than a thread hop
 
 
 def chunk_digest(data: bytes) -> bytes:
@@ -157,7 +158,11 @@ class FileCache:
                 if dc is None:
                     continue
                 gen, data = dc.gen, bytes(dc.data)
-                digest = await trio.to_thread.run_sync(chunk_digest, data, limiter=HASH_THREADS)
+                if len(data) <= INLINE_HASH:
+                    digest = chunk_digest(data)
+                else:
+                    digest = await trio.to_thread.run_sync(chunk_digest, data,
+                                                           limiter=HASH_THREADS)
                 await self.engine.mutate(self._commit_chunk, of, idx, digest, data)
                 if of.dirty.get(idx) is dc and dc.gen == gen:
                     del of.dirty[idx]
