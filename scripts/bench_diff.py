@@ -37,7 +37,7 @@ from bench_io import (Results, Workdir, drop_caches, machine_info, mount,  # noq
                       parse_size, print_table, umount, VENV_BIN)
 from mountfs import schema as S  # noqa: E402
 from mountfs import snapshots as snaps  # noqa: E402
-from mountfs.diff import Differ  # noqa: E402
+from mountfs.diff import diff  # noqa: E402
 from mountfs.namespace import Live, View  # noqa: E402
 from mountfs.store import Store  # noqa: E402
 
@@ -225,8 +225,8 @@ def time_diff(path: Path, a: str, b: str, repeat: int, with_chunks: bool = False
             with store.read() as txn:
                 lo, hi = epochs(store, txn, a, b)
                 t0 = time.perf_counter()
-                count = sum(1 for _ in Differ(txn, store.db, store.chunk_size, lo, hi,
-                                              with_chunks).entries())
+                count = sum(1 for _ in diff(txn, store.db, store.chunk_size, lo, hi,
+                                            with_chunks))
                 times.append(time.perf_counter() - t0)
         return statistics.median(times), count
     finally:
@@ -296,7 +296,7 @@ def memory_probe(store: str, a: str, b: str, keep: bool) -> None:
     with st.read() as txn:
         lo, hi = epochs(st, txn, a, b)
         t0 = time.perf_counter()
-        for e in Differ(txn, st.db, st.chunk_size, lo, hi).entries():
+        for e in diff(txn, st.db, st.chunk_size, lo, hi):
             count += 1
             if keep:
                 kept.append(e)

@@ -214,18 +214,33 @@ class MountedStore:
 
     def close(self) -> None:
         umount(self.work, self.mnt)
+        self.mnt.rmdir()
         shutil.rmtree(self.store)
 
 
-def bench_seq(work: Workdir, size: int, block: int, res: Results) -> None:
+def medians(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def seq_compare(work: Workdir, size: int, block: int, repeat: int,
+                chunk_size: str = "1M") -> tuple[dict, dict]:
+    """Median MB/s over ``repeat`` runs, alternating the plain directory and a fresh store
+    (so that load from elsewhere on the machine hits both alike)."""
     plain = work.path / "plain"
     plain.mkdir(exist_ok=True)
-    base = seq_pair(work, plain / "big", size, block)
-    m = MountedStore(work, "seq")
-    try:
-        mnt = seq_pair(work, m.mnt / "big", size, block, remount=m.remount)
-    finally:
-        m.close()
+    base, mnt = [], []
+    for _ in range(repeat):
+        base.append(seq_pair(work, plain / "big", size, block))
+        m = MountedStore(work, f"seq{chunk_size}", chunk_size=chunk_size)
+        try:
+            mnt.append(seq_pair(work, m.mnt / "big", size, block, remount=m.remount))
+        finally:
+            m.close()
+    return medians(mnt), medians(base)
+
+
+def bench_seq(work: Workdir, size: int, block: int, repeat: int, res: Results) -> None:
+    mnt, base = seq_compare(work, size, block, repeat)
     rows, out = [], {}
     for key, label in (("write_mbs", "seq write MB/s"), ("read_mbs", "seq read MB/s")):
         ratio = mnt[key] / base[key]
@@ -233,8 +248,8 @@ def bench_seq(work: Workdir, size: int, block: int, res: Results) -> None:
         rows.append([label, f"{mnt[key]:.0f}", f"{base[key]:.0f}", f"{ratio:.0%}",
                      verdict(ratio >= TARGETS["throughput_ratio"])])
     res.add("sequential", out)
-    print_table(f"sequential I/O, {size // MiB} MiB file in {block // 1024} KiB blocks "
-                f"(write includes fsync+close; caches dropped before the read)",
+    print_table(f"sequential I/O, {size // MiB} MiB file in {block // 1024} KiB blocks, median "
+                f"of {repeat} (write includes fsync+close; caches dropped before the read)",
                 ["figure", "mount", "plain dir", "ratio", "target >= 40%"], rows)
 
 
@@ -374,27 +389,21 @@ def bench_snapshots(work: Workdir, sizes: list[int], creates: int, res: Results)
 
 # ---- chunk-size sweep ------------------------------------------------------------------------
 
-def bench_sweep(work: Workdir, chunk_sizes: list[str], size: int, block: int,
+def bench_sweep(work: Workdir, chunk_sizes: list[str], size: int, block: int, repeat: int,
                 res: Results) -> None:
-    plain = work.path / "plain"
-    plain.mkdir(exist_ok=True)
-    base = seq_pair(work, plain / "sweep", size, block)
-    rows, out = [], {"plain": base}
+    """Each chunk size against its own plain-directory runs, interleaved."""
+    rows, out = [], {}
     for cs in chunk_sizes:
-        m = MountedStore(work, f"sweep{cs}", chunk_size=cs)
-        try:
-            fig = seq_pair(work, m.mnt / "sweep", size, block, remount=m.remount)
-        finally:
-            m.close()
-        out[cs] = fig
-        rows.append([cs, f"{fig['write_mbs']:.0f}", f"{fig['write_mbs'] / base['write_mbs']:.0%}",
-                     f"{fig['read_mbs']:.0f}", f"{fig['read_mbs'] / base['read_mbs']:.0%}"])
-    rows.append(["plain dir", f"{base['write_mbs']:.0f}", "100%", f"{base['read_mbs']:.0f}",
-                 "100%"])
+        fig, base = seq_compare(work, size, block, repeat, chunk_size=cs)
+        out[cs] = {"mount": fig, "plain": base}
+        rows.append([cs, f"{fig['write_mbs']:.0f}", f"{base['write_mbs']:.0f}",
+                     f"{fig['write_mbs'] / base['write_mbs']:.0%}", f"{fig['read_mbs']:.0f}",
+                     f"{base['read_mbs']:.0f}", f"{fig['read_mbs'] / base['read_mbs']:.0%}"])
     res.add("chunk_size_sweep", out)
     print_table(f"chunk-size sweep: {size // MiB} MiB sequential write (with fsync) and cold "
-                f"read, {block // 1024} KiB blocks",
-                ["chunk size", "write MB/s", "of plain", "read MB/s", "of plain"], rows)
+                f"read, {block // 1024} KiB blocks, median of {repeat}",
+                ["chunk size", "write MB/s", "plain", "ratio", "read MB/s", "plain", "ratio"],
+                rows)
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -414,6 +423,8 @@ def parse_args(argv=None):
     p.add_argument("--chunk-sizes", default="64K,256K,1M,4M",
                    help="chunk sizes of the sweep (default: %(default)s)")
     p.add_argument("--sweep-size", default="256M", help="file size of the sweep (default: 256M)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs per sequential figure, median (default: 3)")
     p.add_argument("--only", choices=["seq", "small", "snap", "sweep"], action="append",
                    help="run only these benchmarks (repeatable)")
     p.add_argument("--workdir", default="/var/tmp",
@@ -424,7 +435,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.files, args.snap_sizes, args.creates = "32M", 500, "100,2000", 5
-        args.chunk_sizes, args.sweep_size = "64K,1M", "16M"
+        args.chunk_sizes, args.sweep_size, args.repeat = "64K,1M", "16M", 1
     return args
 
 
@@ -438,7 +449,7 @@ def main(argv=None) -> int:
     with Workdir(args.workdir, "bench-io") as work:
         print(machine_info(work.path))
         if "seq" in only:
-            bench_seq(work, parse_size(args.size), block, res)
+            bench_seq(work, parse_size(args.size), block, args.repeat, res)
         if "small" in only:
             bench_small(work, args.files, args.file_size, res)
         if "snap" in only:
@@ -446,7 +457,7 @@ def main(argv=None) -> int:
                             res)
         if "sweep" in only:
             bench_sweep(work, args.chunk_sizes.split(","), parse_size(args.sweep_size), block,
-                        res)
+                        args.repeat, res)
     if args.json:
         res.write(args.json)
     return 0
