@@ -1,0 +1,296 @@
+"""The POSIX surface of a mounted mountfs, as a user of a local disk expects it."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import stat
+import subprocess
+
+import pytest
+
+libc = ctypes.CDLL(None, use_errno=True)
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+AT_FDCWD = -100
+
+
+def renameat2(old, new, flags) -> None:
+    if libc.renameat2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def raises_errno(code, fn, *args, **kw):
+    with pytest.raises(OSError) as info:
+        fn(*args, **kw)
+    assert info.value.errno == code, info.value
+
+
+# ---- files: data --------------------------------------------------------------------------
+
+def test_write_read_overwrite_append_and_eof(mounted):
+    f = mounted.mnt / "f"
+    f.write_bytes(b"hello world")
+    with open(f, "r+b") as h:
+        h.seek(6)
+        h.write(b"WORLD")
+    assert f.read_bytes() == b"hello WORLD"
+    with open(f, "ab") as h:
+        h.write(b"!")
+    with open(f, "rb") as h:
+        h.seek(100)
+        assert h.read(10) == b""                           # past EOF
+        h.seek(0)
+        assert h.read() == b"hello WORLD!"
+    assert f.stat().st_size == 12
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 65536 + 7])
+def test_truncate_down_and_up_across_chunks(make_mount, size):
+    m = make_mount(chunk_size="64K")
+    data = os.urandom(4 * 65536 + 123)
+    f = m.mnt / "t"
+    f.write_bytes(data)
+    os.truncate(f, size)
+    assert f.read_bytes() == data[:size]
+    with open(f, "r+b") as h:
+        h.truncate(size + 70000)                           # grows with zeros
+    assert f.read_bytes() == data[:size] + bytes(70000)
+    m.umount()
+    m.mount()                                              # and it is all in the store
+    assert f.read_bytes() == data[:size] + bytes(70000)
+
+
+def test_sparse_file_with_holes(make_mount):
+    m = make_mount(chunk_size="64K")
+    f = m.mnt / "sparse"
+    with open(f, "wb") as h:
+        h.write(b"head")
+        h.seek(10 * 65536 + 5)
+        h.write(b"middle")
+        h.seek(100 * 65536)
+        h.write(b"tail")
+    data = f.read_bytes()
+    assert len(data) == 100 * 65536 + 4 == f.stat().st_size
+    assert data[:4] == b"head" and data[10 * 65536 + 5:10 * 65536 + 11] == b"middle"
+    assert data[4:10 * 65536 + 5] == bytes(10 * 65536 + 1) and data.endswith(b"tail")
+
+
+def test_large_file_round_trip_and_unaligned_io(mounted):
+    f = mounted.mnt / "big"
+    data = os.urandom(50 << 20)
+    with open(f, "wb") as h:
+        for off in range(0, len(data), 300_001):          # writes that straddle chunks
+            h.write(data[off:off + 300_001])
+        h.flush()
+        os.fsync(h.fileno())
+    assert hashlib.sha256(f.read_bytes()).digest() == hashlib.sha256(data).digest()
+    with open(f, "rb") as h:
+        h.seek(12_345_678)
+        assert h.read(2_000_000) == data[12_345_678:14_345_678]
+
+
+def test_unlinked_open_file_stays_usable_until_closed(mounted):
+    f = mounted.mnt / "ghost"
+    with open(f, "w+b") as h:
+        h.write(os.urandom(3 << 20))
+        os.unlink(f)
+        assert not f.exists()
+        h.write(b"more")
+        h.seek(0, os.SEEK_END)
+        assert h.tell() == (3 << 20) + 4
+        h.seek(3 << 20)
+        assert h.read() == b"more"
+    assert os.listdir(mounted.mnt) == []                  # fsck at teardown: nothing left
+
+
+# ---- attributes ---------------------------------------------------------------------------
+
+def test_getattr_setattr_times_modes_owners(mounted):
+    f = mounted.mnt / "a"
+    f.write_text("x")
+    st = f.stat()
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644
+    assert (st.st_uid, st.st_gid, st.st_nlink, st.st_size) == (0, 0, 1, 1)
+    os.utime(f, ns=(1_000_000_001, 2_000_000_002))
+    st = f.stat()
+    assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_001, 2_000_000_002)
+    before = st.st_ctime_ns
+    os.chmod(f, 0o4751)
+    os.chown(f, 1234, 5678)
+    st = f.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o751 or stat.S_IMODE(st.st_mode) == 0o4751
+    assert (st.st_uid, st.st_gid) == (1234, 5678) and st.st_ctime_ns >= before
+    f.write_text("changed")
+    assert f.stat().st_mtime_ns > 2_000_000_002
+
+
+def test_statfs_has_real_figures(mounted):
+    before = os.statvfs(mounted.mnt)
+    assert before.f_bsize > 0 and before.f_blocks > 0 and before.f_bfree <= before.f_blocks
+    assert before.f_namemax == 255
+    (mounted.mnt / "fill").write_bytes(os.urandom(8 << 20))
+    os.sync()
+    after = os.statvfs(mounted.mnt)
+    assert after.f_bfree * after.f_frsize < before.f_bfree * before.f_frsize
+
+
+# ---- directories and names ----------------------------------------------------------------
+
+def test_mkdir_rmdir_errors(mounted):
+    d = mounted.mnt / "d"
+    d.mkdir()
+    raises_errno(errno.EEXIST, os.mkdir, d)
+    (d / "f").write_text("x")
+    raises_errno(errno.ENOTEMPTY, os.rmdir, d)
+    raises_errno(errno.ENOTDIR, os.rmdir, d / "f")
+    raises_errno(errno.ENOENT, os.rmdir, mounted.mnt / "nope")
+    raises_errno(errno.ENOTDIR, os.mkdir, d / "f" / "sub")
+    raises_errno(errno.EISDIR, os.unlink, d)
+    raises_errno(errno.ENAMETOOLONG, os.mkdir, mounted.mnt / ("n" * 256))
+    os.unlink(d / "f")
+    os.rmdir(d)
+    assert os.stat(mounted.mnt).st_nlink == 2
+
+
+def test_rename_cases(mounted):
+    m = mounted.mnt
+    (m / "a").write_text("A")
+    (m / "b").write_text("B")
+    os.rename(m / "a", m / "b")                          # over an existing file
+    assert (m / "b").read_text() == "A" and not (m / "a").exists()
+    (m / "d1/sub").mkdir(parents=True)
+    (m / "d1/sub/f").write_text("f")
+    (m / "empty").mkdir()
+    os.rename(m / "d1", m / "empty")                      # a directory over an empty one
+    assert (m / "empty/sub/f").read_text() == "f"
+    (m / "full").mkdir()
+    (m / "full/x").write_text("x")
+    raises_errno(errno.ENOTEMPTY, os.rename, m / "empty", m / "full")
+    raises_errno(errno.EISDIR, os.rename, m / "b", m / "full")
+    raises_errno(errno.ENOTDIR, os.rename, m / "full", m / "b")
+    raises_errno(errno.EINVAL, os.rename, m / "empty", m / "empty/sub/into")
+    raises_errno(errno.ENOENT, os.rename, m / "missing", m / "x")
+    renameat2(m / "b", m / "c", RENAME_NOREPLACE)
+    (m / "b").write_text("B2")
+    raises_errno(errno.EEXIST, renameat2, m / "b", m / "c", RENAME_NOREPLACE)
+    renameat2(m / "b", m / "c", RENAME_EXCHANGE)
+    assert (m / "b").read_text() == "A" and (m / "c").read_text() == "B2"
+    renameat2(m / "full", m / "c", RENAME_EXCHANGE)      # a directory and a file swap
+    assert (m / "c/x").read_text() == "x" and (m / "full").read_text() == "B2"
+    assert os.stat(m / "empty").st_nlink == 3            # . and sub's ..
+
+
+def test_hard_links(mounted):
+    m = mounted.mnt
+    (m / "d").mkdir()
+    (m / "orig").write_text("shared")
+    os.link(m / "orig", m / "d/link")
+    assert os.stat(m / "orig").st_nlink == 2
+    assert os.stat(m / "orig").st_ino == os.stat(m / "d/link").st_ino
+    (m / "d/link").write_text("through the link")
+    assert (m / "orig").read_text() == "through the link"
+    os.unlink(m / "orig")
+    assert os.stat(m / "d/link").st_nlink == 1
+    assert (m / "d/link").read_text() == "through the link"
+    raises_errno(errno.EPERM, os.link, m / "d", m / "dirlink")
+    raises_errno(errno.EEXIST, os.link, m / "d/link", m / "d/link")
+
+
+def test_symlinks_fifos_and_devices(mounted):
+    m = mounted.mnt
+    (m / "target").write_text("t")
+    os.symlink("target", m / "ln")
+    os.symlink("dangling/nowhere", m / "bad")
+    assert os.readlink(m / "ln") == "target" and (m / "ln").read_text() == "t"
+    assert stat.S_ISLNK(os.lstat(m / "ln").st_mode) and stat.S_ISREG(os.stat(m / "ln").st_mode)
+    assert os.lstat(m / "ln").st_size == len("target")
+    raises_errno(errno.ENOENT, os.stat, m / "bad")
+    os.mkfifo(m / "fifo", 0o600)
+    assert stat.S_ISFIFO(os.stat(m / "fifo").st_mode)
+    os.mknod(m / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    st = os.stat(m / "null")
+    assert stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == 1 and os.minor(st.st_rdev) == 3
+
+
+def test_big_directory_listing_is_complete_and_stable(mounted):
+    d = mounted.mnt / "many"
+    d.mkdir()
+    names = {f"file-{i:05d}" for i in range(2000)}
+    for n in names:
+        (d / n).touch()
+    assert set(os.listdir(d)) == names and len(os.listdir(d)) == 2000
+    with os.scandir(d) as it:                              # changes while reading
+        seen = []
+        for i, e in enumerate(it):
+            seen.append(e.name)
+            if i == 10:
+                (d / "added-late").touch()
+                os.unlink(d / "file-01999")
+    assert len(seen) == len(set(seen)) and names - {"file-01999"} <= set(seen)
+
+
+# ---- extended attributes ------------------------------------------------------------------
+
+def test_xattrs_on_files_and_directories(mounted):
+    m = mounted.mnt
+    (m / "f").write_text("x")
+    (m / "d").mkdir()
+    big = os.urandom(60_000)
+    for p in (m / "f", m / "d"):
+        os.setxattr(p, "user.small", b"v")
+        os.setxattr(p, "user.big", big)
+        assert os.getxattr(p, "user.big") == big
+        assert sorted(os.listxattr(p)) == ["user.big", "user.small"]
+        raises_errno(errno.EEXIST, os.setxattr, p, "user.small", b"w", os.XATTR_CREATE)
+        raises_errno(errno.ENODATA, os.setxattr, p, "user.none", b"w", os.XATTR_REPLACE)
+        os.setxattr(p, "user.small", b"w", os.XATTR_REPLACE)
+        assert os.getxattr(p, "user.small") == b"w"
+        os.removexattr(p, "user.small")
+        raises_errno(errno.ENODATA, os.getxattr, p, "user.small")
+        raises_errno(errno.ENODATA, os.removexattr, p, "user.small")
+
+
+# ---- mounts -------------------------------------------------------------------------------
+
+def test_everything_survives_a_remount(mounted):
+    m = mounted.mnt
+    (m / "dir").mkdir(mode=0o750)
+    (m / "dir/f").write_bytes(b"data" * 1000)
+    os.utime(m / "dir/f", ns=(5, 6_000_000_007))
+    os.symlink("dir/f", m / "ln")
+    os.link(m / "dir/f", m / "hard")
+    os.setxattr(m / "dir", "user.k", b"v")
+    before = {p: os.lstat(m / p) for p in ("dir", "dir/f", "ln", "hard")}
+    mounted.umount()
+    mounted.mount()
+    for p, st in before.items():
+        now = os.lstat(m / p)
+        assert (now.st_mode, now.st_size, now.st_nlink, now.st_mtime_ns, now.st_ino) == \
+            (st.st_mode, st.st_size, st.st_nlink, st.st_mtime_ns, st.st_ino), p
+    assert os.getxattr(m / "dir", "user.k") == b"v" and os.readlink(m / "ln") == "dir/f"
+
+
+def test_read_only_mount_refuses_every_write(make_mount):
+    m = make_mount()
+    (m.mnt / "f").write_text("x")
+    m.umount()
+    m.extra = ["--read-only"]
+    m.mount()
+    assert (m.mnt / "f").read_text() == "x"
+    for op in (lambda: (m.mnt / "g").write_text("y"), lambda: os.mkdir(m.mnt / "d"),
+               lambda: os.unlink(m.mnt / "f"), lambda: os.chmod(m.mnt / "f", 0o600),
+               lambda: os.setxattr(m.mnt / "f", "user.a", b"b"),
+               lambda: open(m.mnt / "f", "ab")):
+        raises_errno(errno.EROFS, op)
+    res = m.snapctl("create", "s", check=False)
+    assert res.returncode != 0 and "read-only" in res.stderr
+
+
+def test_fsync_and_concurrent_writers(mounted):
+    procs = [subprocess.Popen(["dd", "if=/dev/urandom", f"of={mounted.mnt}/w{i}", "bs=64k",
+                               "count=80", "conv=fsync", "status=none"]) for i in range(4)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    assert all((mounted.mnt / f"w{i}").stat().st_size == 80 * 65536 for i in range(4))
