@@ -155,9 +155,14 @@ def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0) -> 
                 break
             buf += data
     except (FileNotFoundError, ConnectionRefusedError):
-        raise ControlError(f"no mount is serving {store} (control socket {path} not answering)")
+        raise ControlError(f"no mount is serving {store} (control socket {path} not "
+                           f"answering)") from None
+    except PermissionError:
+        raise ControlError(f"permission denied: only the owner of the mount of {store} may "
+                           f"control it") from None
     except socket.timeout:
-        raise ControlError(f"the mount serving {store} did not answer within {timeout:.0f} s")
+        raise ControlError(f"the mount serving {store} did not answer within "
+                           f"{timeout:.0f} s") from None
     finally:
         s.close()
     if not buf:

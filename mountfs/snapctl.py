@@ -30,14 +30,16 @@ class Target:
 
     @property
     def mounted(self) -> bool:
-        return control.socket_path(self.store).exists() and self._answers()
+        return self._answers()
 
     def _answers(self) -> bool:
+        """Whether a mount serves the store. A socket we may not use is a mount too (the
+        request itself then says so), not an offline store to open."""
         try:
             control.request(self.store, {"op": "status"}, timeout=10)
             return True
-        except control.ControlError:
-            return False
+        except control.ControlError as e:
+            return str(e).startswith("permission denied")
 
     def fs_path(self, path: str) -> str:
         """A path relative to the filesystem root; absolute paths under the mountpoint are
