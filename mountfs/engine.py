@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections import OrderedDict
 from contextlib import contextmanager
 
+import blake3
 import trio
 
 from . import gc, snapshots
@@ -37,6 +39,41 @@ class Engine:
             self.live = store.live_epoch(txn)
         self._unsynced = False
         self._gc_wakeup = trio.Event()
+        self._verified: OrderedDict[bytes, None] = OrderedDict()   # digests checked once
+
+    # ---- chunk verification ----------------------------------------------------------------
+
+    VERIFIED_CACHE = 1 << 16
+
+    def unverified(self, view: View, ino: int, off: int, size: int) -> list[bytes]:
+        """Digests of the stored chunks under [off, off + size) not yet checked."""
+        cs, out = self.chunk_size, []
+        for idx in range(off // cs, (off + max(size, 1) - 1) // cs + 1):
+            c = view.chunk(ino, idx)
+            if c is not None and bytes(c[0]) not in self._verified:
+                out.append(bytes(c[0]))
+        return out
+
+    async def verify(self, digests: list[bytes]) -> None:
+        """Check chunk data against its digest before it is first served (hashing in a worker
+        thread); a mismatch is EIO, never wrong data. Checked digests are remembered."""
+        def check():
+            with self.store.read() as txn:
+                for digest in digests:
+                    data = txn.get(digest, db=self.db["blobs"])
+                    if data is None or blake3.blake3(data).digest() != digest:
+                        return digest
+            return None
+        bad = await trio.to_thread.run_sync(check)
+        if bad is not None:
+            log.error("chunk %s is corrupt or missing in the store; run 'mountfs fsck'",
+                      bad.hex())
+            raise FsError(errno.EIO, f"chunk {bad.hex()} is corrupt")
+        for digest in digests:
+            self._verified[digest] = None
+            self._verified.move_to_end(digest)
+        while len(self._verified) > self.VERIFIED_CACHE:
+            self._verified.popitem(last=False)
 
     # ---- transactions ----------------------------------------------------------------------
 

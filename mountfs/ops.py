@@ -387,6 +387,11 @@ class Operations(pyfuse3.Operations):
     @guard
     async def read(self, fh, off, size):
         h = self.handles[fh]
+        ino = h.real if h.of is None else h.of.ino
+        with self.engine.view(h.epoch if h.of is None else None) as v:
+            unchecked = self.engine.unverified(v, ino, off, size)
+        if unchecked:
+            await self.engine.verify(unchecked)
         if h.of is None:
             with self.engine.view(h.epoch) as v:
                 return v.read(h.real, off, size, h.size)
