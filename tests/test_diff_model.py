@@ -1,0 +1,94 @@
+"""Property: for random file operations between two snapshots, the diff report applied to a
+copy of FROM yields TO (names, types, contents, modes, owners, times, symlink targets, hard
+links, xattrs).
+
+MOUNTFS_HYPOTHESIS_EXAMPLES raises the number of examples (default 25) for longer runs.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import itertools
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diffapply import apply_report, copy_tree
+from test_replicate import tree_state
+
+EXAMPLES = int(os.environ.get("MOUNTFS_HYPOTHESIS_EXAMPLES", "25"))
+NAMES = ["a", "b", "c", "d", "e"]
+OPS = ["write", "append", "truncate", "mkdir", "rmdir", "unlink", "rename", "link", "symlink",
+       "chmod", "utime", "setxattr", "rmtree"]
+
+paths = st.lists(st.sampled_from(NAMES), min_size=1, max_size=3).map("/".join)
+operations = st.lists(st.tuples(st.sampled_from(OPS), paths, paths,
+                                st.binary(max_size=3000), st.integers(0, 9000)),
+                      min_size=1, max_size=25)
+counter = itertools.count()
+
+
+def do(root, op, p, q, data, n) -> None:
+    """One operation under ``root``; operations that make no sense here fail with an OSError
+    (the same on any filesystem) and are skipped."""
+    a, b = root / p, root / q
+    try:
+        if op == "write":
+            with open(a, "r+b" if a.is_file() else "wb") as h:
+                h.seek(n)
+                h.write(data)
+        elif op == "append":
+            with open(a, "ab") as h:
+                h.write(data)
+        elif op == "truncate":
+            os.truncate(a, n)
+        elif op == "mkdir":
+            os.mkdir(a)
+        elif op == "rmdir":
+            os.rmdir(a)
+        elif op == "unlink":
+            os.unlink(a)
+        elif op == "rename":
+            os.rename(a, b)
+        elif op == "link":
+            os.link(a, b)
+        elif op == "symlink":
+            os.symlink(q, a)
+        elif op == "chmod":
+            os.chmod(a, 0o600 + n % 0o177)
+        elif op == "utime":
+            os.utime(a, ns=(n * 1_000_003, n * 1_000_000_007))
+        elif op == "setxattr":
+            os.setxattr(a, f"user.k{n % 3}", data[:100])
+        elif op == "rmtree":
+            shutil.rmtree(a)
+    except OSError as e:
+        assert e.errno != errno.EIO, f"{op} {p} {q}: EIO"
+
+
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(before=operations, between=operations)
+def test_the_report_applied_to_from_yields_to(mounted, tmp_path, before, between):
+    n = next(counter)
+    root = mounted.mnt / f"ex{n}"
+    root.mkdir()
+    for op in before:
+        do(root, *op)
+    mounted.snapctl("create", f"from{n}")
+    for op in between:
+        do(root, *op)
+    mounted.snapctl("create", f"to{n}")
+    res = mounted.snapctl("diff", f"from{n}", f"to{n}", "--json")
+    entries = [json.loads(line) for line in res.stdout.splitlines()]
+    work = tmp_path / f"work{n}"
+    work.mkdir()
+    copy = work / "copy"
+    copy_tree(mounted.mnt / ".snapshot" / f"from{n}", copy)
+    to_root = mounted.mnt / ".snapshot" / f"to{n}"
+    apply_report(entries, copy, to_root)
+    assert tree_state(copy) == tree_state(to_root), entries
+    shutil.rmtree(work)
