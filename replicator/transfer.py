@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from py4j.protocol import Py4JError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_BYTES = 32 << 20
@@ -137,7 +139,11 @@ def send(source: str, sink, chunk_batches: list, master: str | None = None,
     chunks = sum(len(batch) for batch in chunk_batches)
     report = (lambda done: progress(sum(sizes[:done]), sum(sizes), chunks)) if progress \
         else None
-    _watch(sc, group, worker, len(chunk_batches), stall_seconds, report)
+    try:
+        _watch(sc, group, worker, len(chunk_batches), stall_seconds, report)
+    except Py4JError as e:
+        raise TransferFailed(f"lost the Spark driver ({e.__class__.__name__}); chunks that "
+                             f"arrived are kept, run again to resume") from None
     if "error" in result:
         raise TransferFailed(_spark_message(result["error"])) from result["error"]
     sent = Sent()

@@ -187,3 +187,48 @@ def test_a_hung_receiver_trips_the_watchdog_and_the_rerun_resumes(mounted, recei
     assert result.bytes_sent < 24 * (1 << 20)
     r.stop()
     assert_mirror_equals(m, tmp_path / "mirror", "s1", tmp_path)
+
+
+def test_a_killed_spark_worker_is_retried_and_the_cycle_completes(mounted, receiver, tmp_path):
+    m = mounted
+    r = receiver()
+    proc = replicate_cli(m, r, tmp_path, "--json")
+    workers = [pid for pid in descendants(proc.pid)
+               if b"pyspark.daemon" in cmdline(pid) or b"pyspark.worker" in cmdline(pid)]
+    assert workers, "no Spark Python worker to kill"
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    r.stop()
+    assert_mirror_equals(m, tmp_path / "mirror", "s1", tmp_path)
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
