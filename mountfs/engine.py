@@ -133,11 +133,14 @@ class Engine:
 
     async def create_snapshot(self, name: str) -> S.Snapshot:
         snapshots.validate_name(name)
-        await self.files.flush_all()
-        async with self.lock:
-            with self.store.write() as txn:
-                snap = snapshots.create(txn, self.db, name)
-            self.live = snap.epoch + 1
+        await self.files.freeze()
+        try:
+            async with self.lock:
+                with self.store.write() as txn:
+                    snap = snapshots.create(txn, self.db, name)
+                self.live = snap.epoch + 1
+        finally:
+            self.files.thaw()
         await self.sync()
         return snap
 

@@ -53,6 +53,9 @@ class FileCache:
         self.dirty_bytes = 0
         self.flushed = trio.Event()
         self.nursery: trio.Nursery | None = None   # set by the mount for background flushes
+        self.thawed: trio.Event | None = None      # while frozen, new writes wait for it
+        self.writers = 0                           # writes past the gate, not yet returned
+        self.no_writers = trio.Event()
 
     # ---- open files ----------------------------------------------------------------------
 
@@ -80,6 +83,31 @@ class FileCache:
     # ---- writing ---------------------------------------------------------------------------
 
     async def write(self, of: OpenFile, off: int, buf: bytes) -> int:
+        while self.thawed is not None:            # a snapshot is being taken
+            await self.thawed.wait()
+        self.writers += 1
+        try:
+            return await self._write(of, off, buf)
+        finally:
+            self.writers -= 1
+            if self.writers == 0:
+                self.no_writers.set()
+
+    async def freeze(self) -> None:
+        """Hold new writes, let those in progress return, and commit everything buffered: a
+        snapshot taken before ``thaw`` then holds exactly the writes that have returned."""
+        self.thawed = trio.Event()
+        while self.writers:
+            self.no_writers = trio.Event()
+            await self.no_writers.wait()
+        await self.flush_all()
+
+    def thaw(self) -> None:
+        thawed, self.thawed = self.thawed, None
+        if thawed is not None:
+            thawed.set()
+
+    async def _write(self, of: OpenFile, off: int, buf: bytes) -> int:
         if of.error is not None:
             err, of.error = of.error, None
             raise FsError(err)
@@ -157,37 +185,42 @@ class FileCache:
                 dc = of.dirty.get(idx)
                 if dc is None:
                     continue
-                gen, data = dc.gen, bytes(dc.data)
+                gen, data, size = dc.gen, bytes(dc.data), of.size
                 if len(data) <= INLINE_HASH:
                     digest = chunk_digest(data)
                 else:
                     digest = await trio.to_thread.run_sync(chunk_digest, data,
                                                            limiter=HASH_THREADS)
-                await self.engine.mutate(self._commit_chunk, of, idx, digest, data)
+                await self.engine.mutate(self._commit_chunk, of, idx, digest, data, size)
                 if of.dirty.get(idx) is dc and dc.gen == gen:
                     del of.dirty[idx]
                     self.dirty_bytes -= self.engine.chunk_size
                     self.flushed.set()
             if final and of.mtime_ns is not None and not of.dirty:
-                await self.engine.mutate(self._commit_attrs, of)
+                await self.engine.mutate(self._commit_attrs, of, of.size)
             if of.opens == 0 and not of.dirty:
                 self.files.pop(of.ino, None)
 
-    def _commit_chunk(self, live, of: OpenFile, idx: int, digest: bytes, data: bytes) -> None:
+    def _commit_chunk(self, live, of: OpenFile, idx: int, digest: bytes, data: bytes,
+                      size: int) -> None:
+        """``size`` is the file's size when ``data`` was copied: writes that came while
+        waiting for the lock are not in ``data`` and must not be in the committed size (a
+        snapshot would show zeros there)."""
         rec = live.inode(of.ino)
         if rec is None:                 # deleted meanwhile (a rollback): drop the data
             return
         live.put_chunk(of.ino, idx, digest, data)
         cs = self.engine.chunk_size
-        size = max(rec.size, min(of.size, (idx + 1) * cs))
+        size = max(rec.size, min(size, of.size, (idx + 1) * cs))
         live.save(of.ino, rec.evolve(size=size, mtime_ns=of.mtime_ns or rec.mtime_ns,
                                      ctime_ns=of.mtime_ns or rec.ctime_ns))
 
-    def _commit_attrs(self, live, of: OpenFile) -> None:
+    def _commit_attrs(self, live, of: OpenFile, size: int) -> None:
+        """``size``: the file's size when nothing was dirty (see _commit_chunk)."""
         rec = live.inode(of.ino)
         if rec is None:
             return
-        live.save(of.ino, rec.evolve(size=max(rec.size, of.size), mtime_ns=of.mtime_ns,
+        live.save(of.ino, rec.evolve(size=max(rec.size, min(size, of.size)), mtime_ns=of.mtime_ns,
                                      ctime_ns=of.mtime_ns))
         of.mtime_ns = None
 

@@ -43,6 +43,10 @@ class StoreFull(StoreError):
 FULL_DISK_MARGIN = 64 << 20     # below this much free space, a failed write means "full"
 
 
+def _pages(stat: dict) -> int:
+    return stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+
+
 def _free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
@@ -106,9 +110,10 @@ class Store:
 
     @classmethod
     def open(cls, path: str | os.PathLike, readonly: bool = False, lock: bool = True,
-             holder: str = "") -> "Store":
+             holder: str = "", readahead: bool = True) -> "Store":
         """Open an existing store. With ``lock``, take the exclusive store lock (a second
-        writer gets a clear StoreError naming the holder)."""
+        writer gets a clear StoreError naming the holder). ``readahead=False`` suits a
+        process that reads only metadata (see _open_env)."""
         path = Path(path).absolute()
         if not path.is_dir():
             raise StoreError(f"{path}: no such store directory")
@@ -117,7 +122,7 @@ class Store:
                              f"'mountfs mkfs {path}'")
         lockfd = _take_lock(path, holder) if lock else None
         try:
-            env = _open_env(path, readonly=readonly, create=False)
+            env = _open_env(path, readonly=readonly, create=False, readahead=readahead)
             _check_format(env, path)
             return cls(path, env, lockfd, readonly)
         except BaseException:
@@ -172,20 +177,30 @@ class Store:
         return S.from_u64(txn.get(b"live_epoch", db=self.db["meta"]))
 
     def disk_usage(self) -> tuple[int, int, int]:
-        """(store bytes used, disk bytes free, disk bytes total) for statfs."""
+        """(store bytes used, bytes free, disk bytes total) for statfs. Free is the disk's
+        free space plus the pages inside the data file that LMDB holds free for reuse (the
+        file never shrinks: space given back by a deleted snapshot lands there)."""
         st = os.statvfs(self.path)
-        used = self.env.info()["last_pgno"] * self.env.stat()["psize"]
-        return used, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        psize = self.env.stat()["psize"]
+        with self.env.begin() as txn:
+            in_use = sum(_pages(txn.stat(db)) for db in self.db.values()) + \
+                _pages(self.env.stat())
+        file_pages = self.env.info()["last_pgno"] + 1
+        free_inside = max(0, file_pages - in_use) * psize
+        return in_use * psize, st.f_bavail * st.f_frsize + free_inside, \
+            st.f_blocks * st.f_frsize
 
 
-def _open_env(path: Path, readonly: bool, create: bool) -> lmdb.Environment:
-    # readahead stays on: chunk data (a chunk's overflow pages are contiguous) is most of the
-    # map and is read sequentially; without it every 4 KiB page of a cold chunk is a separate
-    # synchronous disk read (cold sequential reads were ~8x slower, docs/benchmarks.md).
+def _open_env(path: Path, readonly: bool, create: bool,
+              readahead: bool = True) -> lmdb.Environment:
+    # Readahead on suits chunk data (a chunk's overflow pages are contiguous, read in
+    # sequence): without it every 4 KiB page of a cold chunk is a separate synchronous disk
+    # read, ~8x slower. Off suits metadata-only readers (a diff): random B-tree pages, where
+    # readahead made a cold diff of a 1M-file store ~5x slower (docs/benchmarks.md).
     try:
         return lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=len(S.DB_NAMES) + 2,
                          readonly=readonly, create=create, sync=False, metasync=False,
-                         readahead=True, max_readers=1024, lock=True)
+                         readahead=readahead, max_readers=1024, lock=True)
     except lmdb.Error as e:
         raise StoreError(f"{path}: cannot open store: {e}") from e
 
