@@ -223,7 +223,7 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
             if target.mountpoint:
                 syncfs(target.mountpoint)
             control.request(target.store, {"op": "flush"})
-        store = Store.open(target.store, readonly=True, lock=False)
+        store = Store.open(target.store, readonly=True, lock=False, readahead=False)
     except StoreError as e:
         fail(str(e))
     try:
