@@ -218,7 +218,7 @@ def epochs(store: Store, txn, *names: str) -> list[int]:
 def time_diff(path: Path, a: str, b: str, repeat: int, with_chunks: bool = False
               ) -> tuple[float, int]:
     """Median seconds of iterating diff(a, b) (warm page cache), and the entry count."""
-    store = Store.open(path, readonly=True, lock=False)
+    store = Store.open(path, readonly=True, lock=False, readahead=False)
     try:
         times, count = [], 0
         for _ in range(repeat):
@@ -235,7 +235,7 @@ def time_diff(path: Path, a: str, b: str, repeat: int, with_chunks: bool = False
 
 def walk_store(path: Path, name: str) -> tuple[float, int]:
     """The naive way: list every directory at snapshot ``name`` and read every inode."""
-    store = Store.open(path, readonly=True, lock=False)
+    store = Store.open(path, readonly=True, lock=False, readahead=False)
     try:
         with store.read() as txn:
             view = View(txn, store.db, epochs(store, txn, name)[0], store.chunk_size)
@@ -253,7 +253,7 @@ def walk_store(path: Path, name: str) -> tuple[float, int]:
 
 def scan_chunk_map(path: Path, a: str, b: str) -> tuple[float, int]:
     """The naive way for one file: compare its whole chunk map at a and at b."""
-    store = Store.open(path, readonly=True, lock=False)
+    store = Store.open(path, readonly=True, lock=False, readahead=False)
     try:
         with store.read() as txn:
             lo, hi = epochs(store, txn, a, b)
@@ -291,7 +291,7 @@ def memory_probe(store: str, a: str, b: str, keep: bool) -> None:
     """(Child process.) Iterate diff(a, b), counting entries (or keeping them all, the
     baseline), sampling anonymous memory (the Python heap: LMDB's map is file-backed) as it
     goes. Prints: entries, peak RssAnon KiB, ru_maxrss KiB, seconds."""
-    st = Store.open(store, readonly=True, lock=False)
+    st = Store.open(store, readonly=True, lock=False, readahead=False)
     kept, peak, count = [], _rss_anon(), 0
     with st.read() as txn:
         lo, hi = epochs(st, txn, a, b)
@@ -437,7 +437,7 @@ def bench_memory(work: Workdir, nfiles: int, ndirs: int, res: Results) -> None:
 def _reload_tree(path: Path) -> Tree:
     """The leaves and file names of a built store (reused between benchmarks)."""
     tree = Tree(path)
-    store = Store.open(path, readonly=True, lock=False)
+    store = Store.open(path, readonly=True, lock=False, readahead=False)
     try:
         with store.read() as txn:
             view = View(txn, store.db, store.live_epoch(txn), store.chunk_size)
