@@ -1,10 +1,10 @@
 """``snapctl verify``: is the mirror really a copy of the source? (the hbr paper)
 
 Both stores keep K bucket hashes of their items (mountfs.buckets). Verifying snapshot S
-compares the source's K hashes at S with the mirror's, at its copy of S and, when S is the
-mirror's newest snapshot, at its live tree (what a promotion would serve). Only buckets that
-differ are compared item by item. Cost: K hashes each way plus the differing buckets, not the
-size of the stores.
+compares the source's K hashes at S with the mirror's copy of S and, when S is the mirror's
+newest snapshot and its live tree changed since (what a promotion would serve), with that
+too. Only buckets that differ are compared item by item. Cost: K hashes (32 KiB for K=1024)
+plus the differing buckets, not the size of the stores.
 
 ``full`` recomputes every bucket from the items on both sides and re-reads every chunk on the
 mirror (silent corruption, tampering beneath the store). ``repair`` re-sends exactly what
@@ -72,11 +72,11 @@ def verify(source_path: str, mirror, snapshot: str | None = None, full: bool = F
            repair: bool = False) -> VerifyResult:
     source = Store.open(source_path, readonly=True, lock=False)
     try:
-        snap, newest_on_mirror = _pick_snapshot(source, mirror.info(), snapshot)
-        result = _compare(source, mirror, snap, newest_on_mirror, full)
+        snap, live_changed = _pick_snapshot(source, mirror.info(), snapshot)
+        result = _compare(source, mirror, snap, live_changed, full)
         if repair and not result.clean:
-            _repair(source, mirror, snap, result, newest_on_mirror)
-            result = _compare(source, mirror, snap, newest_on_mirror, full)
+            _repair(source, mirror, snap, result)
+            result = _compare(source, mirror, snap, False, full)
             result.repaired = True
         return result
     finally:
@@ -98,15 +98,17 @@ def _pick_snapshot(source: Store, info: dict, name: str | None) -> tuple[S.Snaps
     if info["buckets"] != source.bucket_count:
         raise MirrorError(f"the mirror keeps {info['buckets']} buckets, the source "
                           f"{source.bucket_count}")
-    return snap, bool(on_mirror) and on_mirror[-1] == snap.uuid.hex()
+    newest = bool(on_mirror) and on_mirror[-1] == snap.uuid.hex()
+    changed = any(s["uuid"] == snap.uuid.hex() and s["changed_since"] for s in info["snapshots"])
+    return snap, newest and changed
 
 
-def _compare(source: Store, mirror, snap: S.Snapshot, newest: bool, full: bool):
+def _compare(source: Store, mirror, snap: S.Snapshot, live_changed: bool, full: bool):
     result = VerifyResult(snap.name, source.bucket_count)
     with source.read() as txn:
         compute = buckets.compute if full else buckets.at
         mine = compute(txn, source.db, snap.epoch, source.bucket_count)
-    targets = [("snapshot", snap.uuid.hex())] + ([("live", None)] if newest else [])
+    targets = [("snapshot", snap.uuid.hex())] + ([("live", None)] if live_changed else [])
     for where, uuid in targets:
         theirs = mirror.bucket_hashes(uuid, recompute=full)
         wrong = [b for b in range(len(mine)) if mine[b] != theirs[b]]
@@ -149,13 +151,10 @@ def reconcile(source: Store, mirror, snap: S.Snapshot) -> Changeset:
     return _repair_changeset(source, snap, diffs)
 
 
-def _repair(source: Store, mirror, snap: S.Snapshot, result: VerifyResult,
-            newest: bool) -> None:
+def _repair(source: Store, mirror, snap: S.Snapshot, result: VerifyResult) -> None:
     bad = [bytes.fromhex(d) for kind in ("missing", "corrupt")
            for d in result.bad_chunks.get(kind, [])]
     live_diffs = [d for d in result.differences if d.where == "live"]
-    if live_diffs and not newest:
-        raise MirrorError("only the mirror's newest snapshot can be repaired")
     cs = _repair_changeset(source, snap, live_diffs)
     with source.read() as txn:
         wanted = set(bad) | (set(cs.digests()) & set(mirror.missing(list(cs.digests()))))
