@@ -221,8 +221,8 @@ def receiver(tmp_path):
     token_file.chmod(0o600)
     started = []
 
-    def start(tls=None) -> Receiver:
-        r = Receiver(tmp_path / "mirror", token_file, tls).start()
+    def start(tls=None, store: Path | None = None) -> Receiver:
+        r = Receiver(store or tmp_path / "mirror", token_file, tls).start()
         started.append(r)
         return r
     yield start

@@ -216,3 +216,59 @@ def test_check_is_critical_for_a_mirror_never_replicated(mounted, tmp_path):
     res = mounted.snapctl("check", "--config", config, check=False)
     assert res.returncode == 2
     assert res.stdout.strip() == "CRITICAL: data -> file:///nonexistent: never replicated"
+
+
+def test_a_slow_mirror_keeps_its_base_while_a_fast_one_moves_on(mounted, receiver, daemon,
+                                                                tmp_path):
+    m = mounted
+    fast, slow = receiver(), receiver(store=tmp_path / "slow-mirror")
+    config = tmp_path / "two.toml"
+    config.write_text(f"""
+[daemon]
+state_dir = "{tmp_path}/state"
+[[filesystem]]
+name = "data"
+mountpoint = "{m.mnt}"
+min_interval = "1s"
+retention = {{ keep_last = 1 }}
+[[filesystem.mirror]]
+url = "{fast.url}"
+token_file = "{tmp_path}/token"
+[[filesystem.mirror]]
+url = "{slow.url}"
+token_file = "{tmp_path}/token"
+""")
+    (m.mnt / "first").write_text("1")
+    d = daemon(config)
+    wait_for("both mirrors", lambda: all(mirror_is_current(m, config, u)
+                                         for u in (fast.url, slow.url)))
+    slow_base = status(m, config)["mirrors"][slow.url]["base"]
+    slow.stop()                                            # the slow mirror goes away
+    for i in range(4):
+        (m.mnt / f"later{i}").write_text(str(i))
+        time.sleep(1.3)
+    wait_for("the fast mirror", lambda: mirror_is_current(m, config, fast.url))
+    local = [json.loads(x)["name"] for x in m.snapctl("list", "--json").stdout.splitlines()]
+    assert slow_base in local                              # held: not pruned by keep_last 1
+    assert len(local) == 2                                 # the slow base and the newest
+    slow.start()                                           # back, same address
+    wait_for("the slow mirror to catch up", lambda: mirror_is_current(m, config, slow.url))
+    s = status(m, config)["mirrors"][slow.url]
+    assert s["last_cycle"]["base"] == slow_base            # one incremental diff from its base
+    d.stop()
+
+
+def test_prune_dry_run_says_why(mounted, tmp_path):
+    for name in ("mine", "auto-1", "auto-2", "auto-3"):
+        mounted.snapctl("create", name)
+    config = tmp_path / "p.toml"
+    config.write_text(f'[[filesystem]]\nname = "p"\nmountpoint = "{mounted.mnt}"\n'
+                      f'snapshot_prefix = "auto-"\nretention = {{ keep_last = 2 }}\n')
+    out = mounted.snapctl("prune", "--config", config, "--dry-run").stdout.splitlines()
+    assert out == ["keep  mine: made by a user (prune_user is off)",
+                   "prune auto-1 (dry run)",
+                   "keep  auto-2: keep_last 2",
+                   "keep  auto-3: newest, keep_last 2"]
+    mounted.snapctl("prune", "--config", config)
+    left = [json.loads(x)["name"] for x in mounted.snapctl("list", "--json").stdout.splitlines()]
+    assert left == ["mine", "auto-2", "auto-3"]

@@ -245,3 +245,15 @@ def test_text_stat_and_errors(mounted):
     assert res.returncode == 1 and "newer than TO" in res.stderr
     res = mounted.snapctl("diff", "nope", "s1", check=False)
     assert res.returncode == 1 and res.stderr.strip() == "snapctl: no snapshot named 'nope'"
+
+
+def test_a_file_deleted_while_open_is_a_delete(mounted, tmp_path):
+    (mounted.mnt / "f").write_text("x")
+    mounted.snapctl("create", "s1")
+    with open(mounted.mnt / "f", "rb") as h:
+        os.unlink(mounted.mnt / "f")
+        mounted.snapctl("create", "s2")          # the inode still exists, with no name
+        assert h.read() == b"x"
+        entries = report(mounted)
+    assert summary(entries) == {("modify", "."), ("delete", "./f")}
+    check_applies(mounted, tmp_path, entries)
