@@ -186,11 +186,6 @@ class Inode:
         tail = b[_INODE.size:]
         return cls(*fields, parent=parent, name=tail[:namelen], target=tail[namelen:])
 
-    def attributes(self) -> tuple:
-        """What a user sees of the inode itself (not mepoch, not its location)."""
-        return (self.mode, self.uid, self.gid, self.nlink, self.size, self.atime_ns,
-                self.mtime_ns, self.ctime_ns, self.rdev, self.target)
-
     def evolve(self, **kw) -> "Inode":
         return replace(self, **kw)
 
