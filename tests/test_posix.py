@@ -8,6 +8,8 @@ import hashlib
 import os
 import stat
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -108,23 +110,86 @@ def test_unlinked_open_file_stays_usable_until_closed(mounted):
 
 # ---- attributes ---------------------------------------------------------------------------
 
-def test_getattr_setattr_times_modes_owners(mounted):
+def test_getattr_fields_and_nanosecond_times(mounted):
     f = mounted.mnt / "a"
     f.write_text("x")
     st = f.stat()
     assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644
     assert (st.st_uid, st.st_gid, st.st_nlink, st.st_size) == (0, 0, 1, 1)
+    assert st.st_blocks * 512 >= st.st_size and st.st_ino != os.stat(mounted.mnt).st_ino
     os.utime(f, ns=(1_000_000_001, 2_000_000_002))
     st = f.stat()
     assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_001, 2_000_000_002)
-    before = st.st_ctime_ns
-    os.chmod(f, 0o4751)
-    os.chown(f, 1234, 5678)
-    st = f.stat()
-    assert stat.S_IMODE(st.st_mode) == 0o751 or stat.S_IMODE(st.st_mode) == 0o4751
-    assert (st.st_uid, st.st_gid) == (1234, 5678) and st.st_ctime_ns >= before
     f.write_text("changed")
     assert f.stat().st_mtime_ns > 2_000_000_002
+
+
+def ctime_moves(path, action, moved_to=None) -> None:
+    """``action`` must raise ``path``'s ctime and leave its mtime alone (as on a local disk);
+    ``moved_to`` is where a rename puts it."""
+    before = os.lstat(path)
+    time.sleep(0.002)                                # let the clock tick past ``before``
+    action()
+    after = os.lstat(moved_to or path)
+    assert after.st_ino == before.st_ino
+    assert after.st_ctime_ns > before.st_ctime_ns, action
+    assert after.st_mtime_ns == before.st_mtime_ns, action
+
+
+def test_ctime_changes_on_chmod_chown_rename_link_and_xattrs(mounted):
+    m = mounted.mnt
+    (m / "d").mkdir()
+    f = m / "f"
+    f.write_text("x")
+    os.utime(f, ns=(5, 7))
+    ctime_moves(f, lambda: os.chmod(f, 0o600))
+    ctime_moves(f, lambda: os.chown(f, 1234, 5678))
+    ctime_moves(f, lambda: os.link(f, m / "g"))
+    ctime_moves(f, lambda: os.unlink(m / "g"))
+    ctime_moves(f, lambda: os.setxattr(f, "user.k", b"v"))
+    ctime_moves(m / "d", lambda: os.rename(m / "d", m / "e"), m / "e")
+    ctime_moves(f, lambda: os.rename(f, m / "e/f"), m / "e/f")
+    st = os.stat(m / "e/f")
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns) == \
+        (0o600, 1234, 5678, 7)
+
+
+def test_directory_mtime_follows_its_entries(mounted):
+    d = mounted.mnt / "d"
+    d.mkdir()
+    os.utime(d, ns=(1, 1))
+    for change in (lambda: (d / "f").touch(), lambda: os.rename(d / "f", d / "g"),
+                   lambda: os.unlink(d / "g"), lambda: os.mkdir(d / "s"),
+                   lambda: os.rmdir(d / "s")):
+        os.utime(d, ns=(1, 1))
+        change()
+        assert os.stat(d).st_mtime_ns > 1, change
+
+
+def mode_story(root: Path) -> list:
+    """chmod and chown as root, with set-id bits: what a local disk shows at each step."""
+    f = root / "f"
+    f.write_text("x")
+    seen = []
+    for mode in (0o4751, 0o2755, 0o6711, 0o1644, 0o0):
+        os.chmod(f, mode)
+        seen.append(oct(os.stat(f).st_mode))
+        os.chown(f, 1234, 5678)                    # root changing owners drops set-id bits
+        seen.append((oct(os.stat(f).st_mode), os.stat(f).st_uid, os.stat(f).st_gid))
+        os.chown(f, 0, 0)
+    (root / "d").mkdir(mode=0o700)
+    os.chmod(root / "d", 0o3775)
+    os.chown(root / "d", 99, 98)                   # directories keep theirs
+    seen.append(oct(os.stat(root / "d").st_mode))
+    return seen
+
+
+def test_chmod_chown_behave_like_a_local_disk(mounted, tmp_path):
+    local = tmp_path / "local"
+    local.mkdir()
+    expected = mode_story(local)
+    assert expected[0] == oct(stat.S_IFREG | 0o4751)          # the story itself is meaningful
+    assert mode_story(mounted.mnt) == expected
 
 
 def test_statfs_has_real_figures(mounted):
