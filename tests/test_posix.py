@@ -65,6 +65,57 @@ def test_truncate_down_and_up_across_chunks(make_mount, size):
     assert f.read_bytes() == data[:size] + bytes(70000)
 
 
+def test_ftruncate_of_unflushed_writes_never_brings_old_bytes_back(make_mount):
+    """Truncating while writes are still buffered, then growing again, reads zeros where
+    the cut data was: in the open file, after close and after a remount."""
+    m = make_mount(chunk_size="64K")
+    f = m.mnt / "t"
+    fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"\xff" * 150_000)                 # three chunks, still in the buffer
+        os.ftruncate(fd, 70_000)                         # inside the second chunk
+        os.ftruncate(fd, 140_000)
+        os.pwrite(fd, b"end", 200_000)
+        expected = b"\xff" * 70_000 + bytes(130_000) + b"end"
+        assert os.pread(fd, 300_000, 0) == expected
+        assert os.fstat(fd).st_size == 200_003
+    finally:
+        os.close(fd)
+    assert f.read_bytes() == expected
+    m.umount()
+    m.mount()
+    assert f.read_bytes() == expected
+
+
+def test_open_with_o_trunc_and_o_excl(mounted):
+    f = mounted.mnt / "f"
+    f.write_bytes(os.urandom(3 << 20))
+    fd = os.open(f, os.O_WRONLY | os.O_TRUNC)
+    os.write(fd, b"new")
+    os.close(fd)
+    assert f.read_bytes() == b"new"
+    raises_errno(errno.EEXIST, os.open, f, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with open(f, "w"):                                   # the shell's '>'
+        pass
+    assert f.read_bytes() == b"" and f.stat().st_size == 0
+
+
+def test_one_write_larger_than_a_chunk(make_mount):
+    m = make_mount(chunk_size="64K")
+    data = os.urandom(5 * 65536 + 333)
+    fd = os.open(m.mnt / "w", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert os.pwrite(fd, data, 1000) == len(data)   # unaligned, spans six chunks
+        patch = os.urandom(3 * 65536)
+        assert os.pwrite(fd, patch, 65536 - 10) == len(patch)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    expected = bytearray(bytes(1000) + data)
+    expected[65536 - 10:65536 - 10 + len(patch)] = patch
+    assert (m.mnt / "w").read_bytes() == expected
+
+
 def test_sparse_file_with_holes(make_mount):
     m = make_mount(chunk_size="64K")
     f = m.mnt / "sparse"
