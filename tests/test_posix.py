@@ -255,48 +255,90 @@ def test_statfs_has_real_figures(mounted):
 
 # ---- directories and names ----------------------------------------------------------------
 
-def test_mkdir_rmdir_errors(mounted):
-    d = mounted.mnt / "d"
-    d.mkdir()
-    raises_errno(errno.EEXIST, os.mkdir, d)
-    (d / "f").write_text("x")
-    raises_errno(errno.ENOTEMPTY, os.rmdir, d)
-    raises_errno(errno.ENOTDIR, os.rmdir, d / "f")
-    raises_errno(errno.ENOENT, os.rmdir, mounted.mnt / "nope")
-    raises_errno(errno.ENOTDIR, os.mkdir, d / "f" / "sub")
-    raises_errno(errno.EISDIR, os.unlink, d)
-    raises_errno(errno.ENAMETOOLONG, os.mkdir, mounted.mnt / ("n" * 256))
-    os.unlink(d / "f")
-    os.rmdir(d)
-    assert os.stat(mounted.mnt).st_nlink == 2
+def put(path: Path, text: str) -> None:
+    path.write_text(text)
 
 
-def test_rename_cases(mounted):
-    m = mounted.mnt
-    (m / "a").write_text("A")
-    (m / "b").write_text("B")
-    os.rename(m / "a", m / "b")                          # over an existing file
-    assert (m / "b").read_text() == "A" and not (m / "a").exists()
-    (m / "d1/sub").mkdir(parents=True)
-    (m / "d1/sub/f").write_text("f")
-    (m / "empty").mkdir()
-    os.rename(m / "d1", m / "empty")                      # a directory over an empty one
-    assert (m / "empty/sub/f").read_text() == "f"
-    (m / "full").mkdir()
-    (m / "full/x").write_text("x")
-    raises_errno(errno.ENOTEMPTY, os.rename, m / "empty", m / "full")
-    raises_errno(errno.EISDIR, os.rename, m / "b", m / "full")
-    raises_errno(errno.ENOTDIR, os.rename, m / "full", m / "b")
-    raises_errno(errno.EINVAL, os.rename, m / "empty", m / "empty/sub/into")
-    raises_errno(errno.ENOENT, os.rename, m / "missing", m / "x")
-    renameat2(m / "b", m / "c", RENAME_NOREPLACE)
-    (m / "b").write_text("B2")
-    raises_errno(errno.EEXIST, renameat2, m / "b", m / "c", RENAME_NOREPLACE)
-    renameat2(m / "b", m / "c", RENAME_EXCHANGE)
-    assert (m / "b").read_text() == "A" and (m / "c").read_text() == "B2"
-    renameat2(m / "full", m / "c", RENAME_EXCHANGE)      # a directory and a file swap
-    assert (m / "c/x").read_text() == "x" and (m / "full").read_text() == "B2"
-    assert os.stat(m / "empty").st_nlink == 3            # . and sub's ..
+NAME_STEPS = [    # (what, the outcome POSIX and a local disk give, the step on a root r)
+    ("mkdir", "ok", lambda r: os.mkdir(r / "d")),
+    ("mkdir existing", "EEXIST", lambda r: os.mkdir(r / "d")),
+    ("file in d", "ok", lambda r: put(r / "d/f", "f")),
+    ("rmdir non-empty", "ENOTEMPTY", lambda r: os.rmdir(r / "d")),
+    ("rmdir a file", "ENOTDIR", lambda r: os.rmdir(r / "d/f")),
+    ("rmdir missing", "ENOENT", lambda r: os.rmdir(r / "nope")),
+    ("mkdir under a file", "ENOTDIR", lambda r: os.mkdir(r / "d/f/sub")),
+    ("unlink a dir", "EISDIR", lambda r: os.unlink(r / "d")),
+    ("unlink missing", "ENOENT", lambda r: os.unlink(r / "nope")),
+    ("name too long", "ENAMETOOLONG", lambda r: os.mkdir(r / ("n" * 256))),
+    ("open a dir for writing", "EISDIR", lambda r: open(r / "d", "w")),
+    ("a, b", "ok", lambda r: (put(r / "a", "A"), put(r / "b", "B"))),
+    ("file over file", "ok", lambda r: os.rename(r / "a", r / "b")),
+    ("rename a file", "ok", lambda r: os.rename(r / "b", r / "d/b")),
+    ("rename a dir", "ok", lambda r: os.rename(r / "d", r / "dir")),
+    ("empty", "ok", lambda r: os.mkdir(r / "empty")),
+    ("dir over empty dir", "ok", lambda r: os.rename(r / "dir", r / "empty")),
+    ("full", "ok", lambda r: (os.mkdir(r / "full"), put(r / "full/x", "x"))),
+    ("dir over non-empty dir", "ENOTEMPTY", lambda r: os.rename(r / "empty", r / "full")),
+    ("file over dir", "EISDIR", lambda r: os.rename(r / "empty/b", r / "full")),
+    ("dir over file", "ENOTDIR", lambda r: os.rename(r / "full", r / "empty/b")),
+    ("dir into itself", "EINVAL", lambda r: os.rename(r / "empty", r / "empty/sub")),
+    ("missing source", "ENOENT", lambda r: os.rename(r / "nope", r / "x")),
+    ("onto itself", "ok", lambda r: os.rename(r / "full/x", r / "full/x")),
+    ("twin link", "ok", lambda r: os.link(r / "full/x", r / "twin")),
+    ("onto its own hard link", "ok", lambda r: os.rename(r / "twin", r / "full/x")),
+    ("noreplace, taken", "EEXIST",
+     lambda r: renameat2(r / "empty/b", r / "full/x", RENAME_NOREPLACE)),
+    ("noreplace, free", "ok", lambda r: renameat2(r / "empty/b", r / "c", RENAME_NOREPLACE)),
+    ("exchange with nothing", "ENOENT", lambda r: renameat2(r / "c", r / "zz", RENAME_EXCHANGE)),
+    ("exchange two files", "ok", lambda r: renameat2(r / "c", r / "twin", RENAME_EXCHANGE)),
+    ("exchange dir and file", "ok", lambda r: renameat2(r / "full", r / "c", RENAME_EXCHANGE)),
+    ("exchange into own child", "EINVAL",
+     lambda r: renameat2(r / "empty", r / "empty/f", RENAME_EXCHANGE)),
+    ("subdirs", "ok", lambda r: (os.mkdir(r / "empty/s1"), os.mkdir(r / "empty/s2"))),
+    ("dir across parents", "ok", lambda r: os.rename(r / "empty/s2", r / "c/s2")),
+    ("hard link a dir", "EPERM", lambda r: os.link(r / "empty", r / "dirlink")),
+    ("link onto a name", "EEXIST", lambda r: os.link(r / "twin", r / "c/x")),
+    ("link under a file", "ENOTDIR", lambda r: os.link(r / "twin", r / "full/x/y")),
+    ("symlink onto a name", "EEXIST", lambda r: os.symlink("t", r / "twin")),
+    ("readlink of a file", "EINVAL", lambda r: os.readlink(r / "twin")),
+    ("rmdir .", "EINVAL", lambda r: os.rmdir(f"{r}/empty/.")),   # (pathlib drops a '.')
+]
+
+
+def outcome_of(fn, root) -> str:
+    try:
+        fn(root)
+        return "ok"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+
+
+def tree(root: Path) -> list:
+    """Every path below ``root`` with its type, link count and (for files) content."""
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(dirpath, name)
+            st = os.lstat(p)
+            text = p.read_text() if stat.S_ISREG(st.st_mode) else None
+            out.append((str(p.relative_to(root)), stat.S_IFMT(st.st_mode), st.st_nlink, text))
+    return sorted(out) + [("<root nlink>", os.stat(root).st_nlink)]
+
+
+def test_name_operations_and_their_errors_match_a_local_disk(mounted, tmp_path):
+    """Each step's outcome is what POSIX says, and the same as on a local directory; so is
+    the resulting tree."""
+    trees = []
+    for root in (tmp_path / "local", mounted.mnt / "t"):
+        root.mkdir()
+        got = [(what, outcome_of(fn, root)) for what, _, fn in NAME_STEPS]
+        assert got == [(what, want) for what, want, _ in NAME_STEPS], root
+        trees.append(tree(root))
+    assert trees[1] == trees[0]
+    for entry in (("c/x", stat.S_IFREG, 2, "x"), ("full", stat.S_IFREG, 2, "x"),
+                  ("twin", stat.S_IFREG, 1, "A"), ("empty/f", stat.S_IFREG, 1, "f"),
+                  ("empty", stat.S_IFDIR, 3, None), ("c", stat.S_IFDIR, 3, None)):
+        assert entry in trees[1]                            # the swaps and moves landed
 
 
 def test_hard_links(mounted):
