@@ -8,6 +8,7 @@ import hashlib
 import os
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -145,18 +146,36 @@ def test_large_file_round_trip_and_unaligned_io(mounted):
         assert h.read(2_000_000) == data[12_345_678:14_345_678]
 
 
+def store_use(mnt: Path) -> int:
+    """Bytes the store occupies, from statfs (total - free, where free is the disk's free
+    space plus the store's own free pages)."""
+    st = os.statvfs(mnt)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
 def test_unlinked_open_file_stays_usable_until_closed(mounted):
     f = mounted.mnt / "ghost"
+    data = os.urandom(24 << 20)
+    os.sync()
+    empty = store_use(mounted.mnt)
     with open(f, "w+b") as h:
-        h.write(os.urandom(3 << 20))
+        h.write(data)
+        h.flush()
+        os.fsync(h.fileno())
         os.unlink(f)
-        assert not f.exists()
+        assert not f.exists() and os.listdir(mounted.mnt) == []
+        assert os.fstat(h.fileno()).st_nlink == 0
         h.write(b"more")
         h.seek(0, os.SEEK_END)
-        assert h.tell() == (3 << 20) + 4
-        h.seek(3 << 20)
-        assert h.read() == b"more"
-    assert os.listdir(mounted.mnt) == []                  # fsck at teardown: nothing left
+        assert h.tell() == len(data) + 4
+        h.seek(0)
+        assert h.read() == data + b"more"
+        os.fsync(h.fileno())
+        assert store_use(mounted.mnt) > empty + (20 << 20)   # still held while open
+    deadline = time.monotonic() + 60
+    while store_use(mounted.mnt) > empty + (8 << 20):     # reclaimed once closed
+        assert time.monotonic() < deadline, "an unlinked file's space never came back"
+        time.sleep(0.2)
 
 
 # ---- attributes ---------------------------------------------------------------------------
@@ -368,9 +387,14 @@ def test_symlinks_fifos_and_devices(mounted):
     raises_errno(errno.ENOENT, os.stat, m / "bad")
     os.mkfifo(m / "fifo", 0o600)
     assert stat.S_ISFIFO(os.stat(m / "fifo").st_mode)
+    writer = subprocess.Popen(["sh", "-c", f"echo through the pipe > '{m}/fifo'"])
+    assert (m / "fifo").read_text() == "through the pipe\n"
+    assert writer.wait(timeout=30) == 0
     os.mknod(m / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     st = os.stat(m / "null")
     assert stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == 1 and os.minor(st.st_rdev) == 3
+    assert os.statvfs(m).f_flag & os.ST_NODEV            # FUSE's safe default: nodev, so
+    raises_errno(errno.EACCES, open, m / "null", "wb")    # the node is stored, not usable
 
 
 def test_big_directory_listing_is_complete_and_stable(mounted):
@@ -390,13 +414,36 @@ def test_big_directory_listing_is_complete_and_stable(mounted):
     assert len(seen) == len(set(seen)) and names - {"file-01999"} <= set(seen)
 
 
+def test_listing_while_another_process_adds_and_removes(mounted):
+    """Directories listed while another process churns them: every listing has each stable
+    name once, nothing is duplicated, and the mount stays up."""
+    d = mounted.mnt / "busy"
+    d.mkdir()
+    stable = {f"keep-{i:04d}" for i in range(200)}
+    for n in stable:
+        (d / n).touch()
+    churn = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys\n"
+        "d = sys.argv[1]\n"
+        "for i in range(300):\n"
+        "    open(f'{d}/tmp-{i}', 'w').close()\n"
+        "    if i >= 20: os.unlink(f'{d}/tmp-{i - 20}')\n"), str(d)])
+    listings = 0
+    while churn.poll() is None or listings < 5:
+        seen = os.listdir(d)
+        assert len(seen) == len(set(seen)) and stable <= set(seen)
+        listings += 1
+    assert churn.returncode == 0
+    assert set(os.listdir(d)) == stable | {f"tmp-{i}" for i in range(280, 300)}
+
+
 # ---- extended attributes ------------------------------------------------------------------
 
 def test_xattrs_on_files_and_directories(mounted):
     m = mounted.mnt
     (m / "f").write_text("x")
     (m / "d").mkdir()
-    big = os.urandom(60_000)
+    big = os.urandom(65536)                              # the kernel's largest value
     for p in (m / "f", m / "d"):
         os.setxattr(p, "user.small", b"v")
         os.setxattr(p, "user.big", big)
@@ -409,6 +456,14 @@ def test_xattrs_on_files_and_directories(mounted):
         os.removexattr(p, "user.small")
         raises_errno(errno.ENODATA, os.getxattr, p, "user.small")
         raises_errno(errno.ENODATA, os.removexattr, p, "user.small")
+        raises_errno(errno.E2BIG, os.setxattr, p, "user.huge", big + b"!")
+        raises_errno(errno.ERANGE, os.setxattr, p, "user." + "n" * 300, b"v")
+        os.setxattr(p, "trusted.root", b"")               # root's namespace, an empty value
+        assert os.getxattr(p, "trusted.root") == b""
+        assert sorted(os.listxattr(p)) == ["trusted.root", "user.big"]
+    os.symlink("f", m / "ln")                             # user.* is for files and dirs only
+    raises_errno(errno.EPERM, os.setxattr, m / "ln", "user.k", b"v", follow_symlinks=False)
+    assert os.getxattr(m / "ln", "user.big") == big       # through the link: f's
 
 
 # ---- mounts -------------------------------------------------------------------------------
@@ -421,14 +476,25 @@ def test_everything_survives_a_remount(mounted):
     os.symlink("dir/f", m / "ln")
     os.link(m / "dir/f", m / "hard")
     os.setxattr(m / "dir", "user.k", b"v")
-    before = {p: os.lstat(m / p) for p in ("dir", "dir/f", "ln", "hard")}
+    data = os.urandom(3 << 20)
+    with open(m / "sparse", "wb") as h:
+        h.write(data)
+        h.seek(10 << 20)
+        h.write(data[:1000])
+    before = {p: os.lstat(m / p) for p in ("dir", "dir/f", "ln", "hard", "sparse")}
     mounted.umount()
     mounted.mount()
     for p, st in before.items():
         now = os.lstat(m / p)
-        assert (now.st_mode, now.st_size, now.st_nlink, now.st_mtime_ns, now.st_ino) == \
-            (st.st_mode, st.st_size, st.st_nlink, st.st_mtime_ns, st.st_ino), p
+        fields = ("st_mode", "st_size", "st_nlink", "st_uid", "st_gid", "st_ino",
+                  "st_atime_ns", "st_mtime_ns", "st_ctime_ns")
+        assert [getattr(now, k) for k in fields] == [getattr(st, k) for k in fields], p
     assert os.getxattr(m / "dir", "user.k") == b"v" and os.readlink(m / "ln") == "dir/f"
+    with open(m / "sparse", "rb") as h:                   # seek + read, in any order
+        for off, n in ((10 << 20, 2000), (123_457, 2_000_000), (3 << 20, 5000), (0, 10)):
+            h.seek(off)
+            want = (data + bytes((10 << 20) - len(data)) + data[:1000])[off:off + n]
+            assert h.read(n) == want, off
 
 
 def test_read_only_mount_refuses_every_write(make_mount):
