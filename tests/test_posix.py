@@ -50,20 +50,28 @@ def test_write_read_overwrite_append_and_eof(mounted):
     assert f.stat().st_size == 12
 
 
-@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 65536 + 7])
-def test_truncate_down_and_up_across_chunks(make_mount, size):
+TRUNCATE_SIZES = [0, 1, 4095, 4096, 4097, 65535, 65536, 65537, 3 * 65536 + 7]
+
+
+def test_truncate_down_and_up_across_chunks(make_mount):
+    """os.truncate down to sizes in, at and across 64 KiB chunk boundaries, then ftruncate
+    up again: the kept part is intact and the grown part reads as zeros, also remounted."""
     m = make_mount(chunk_size="64K")
     data = os.urandom(4 * 65536 + 123)
-    f = m.mnt / "t"
-    f.write_bytes(data)
-    os.truncate(f, size)
-    assert f.read_bytes() == data[:size]
-    with open(f, "r+b") as h:
-        h.truncate(size + 70000)                           # grows with zeros
-    assert f.read_bytes() == data[:size] + bytes(70000)
+    expected = {}
+    for size in TRUNCATE_SIZES:
+        f = m.mnt / f"t{size}"
+        f.write_bytes(data)
+        os.truncate(f, size)
+        assert f.read_bytes() == data[:size] and f.stat().st_size == size
+        with open(f, "r+b") as h:
+            h.truncate(size + 70000)                       # ftruncate: grows with zeros
+        expected[f] = data[:size] + bytes(70000)
+        assert f.read_bytes() == expected[f]
     m.umount()
     m.mount()                                              # and it is all in the store
-    assert f.read_bytes() == data[:size] + bytes(70000)
+    for f, want in expected.items():
+        assert f.read_bytes() == want, f
 
 
 def test_ftruncate_of_unflushed_writes_never_brings_old_bytes_back(make_mount):
