@@ -4,6 +4,7 @@ the result with TO."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -11,8 +12,7 @@ import shutil
 import blake3
 import pytest
 
-from diffapply import apply_report, copy_tree
-from test_replicate import tree_state
+from diffapply import apply_report, copy_tree, tree_state
 
 
 def report(m, frm="s1", to="s2", *extra) -> list[dict]:
@@ -26,23 +26,30 @@ def summary(entries) -> set:
             for e in entries}
 
 
-def check_applies(m, tmp_path, entries, frm="s1", to="s2") -> None:
+def check_applies(m, tmp_path, entries, frm="s1", to="s2", chunk_size=None) -> None:
+    """Apply the report to an independent copy of FROM and compare the result with TO."""
     copy = tmp_path / "copy"
     copy_tree(m.mnt / ".snapshot" / frm, copy)
     to_root = m.mnt / ".snapshot" / to if to != "." else m.mnt
-    apply_report(entries, copy, to_root)
-    want = tree_state(to_root)
-    want.pop(".snapshot", None)
-    assert tree_state(copy) == want
+    apply_report(entries, copy, to_root, chunk_size=chunk_size)
+    assert tree_state(copy) == tree_state(to_root)
+    shutil.rmtree(copy)
 
 
-def run_case(m, tmp_path, setup, change) -> set:
+def run_case(m, tmp_path, setup, change, live=False) -> set:
+    """FROM state, snapshot s1, the changes, snapshot s2; the report applied to a copy of s1
+    must give s2. With ``live``, the report against the live tree (unchanged since s2) must
+    be the same and apply as well."""
     setup(m.mnt)
     m.snapctl("create", "s1")
     change(m.mnt)
     m.snapctl("create", "s2")
     entries = report(m)
     check_applies(m, tmp_path, entries)
+    if live:
+        live_entries = report(m, "s1", ".")
+        assert summary(live_entries) == summary(entries)
+        check_applies(m, tmp_path, live_entries, to=".")
     return summary(entries)
 
 
@@ -57,7 +64,8 @@ def test_create_then_move_into_a_created_directory(mounted, tmp_path):
         (r / "newdir").mkdir()
         os.rename(r / "f", r / "newdir/f")
         os.rename(r / "d", r / "newdir/d")
-    assert run_case(mounted, tmp_path, setup, change) == {("modify", "."), ("create", "./newdir")}
+    got = run_case(mounted, tmp_path, setup, change, live=True)
+    assert got == {("modify", "."), ("create", "./newdir")}
 
 
 def test_existing_dir_moved_into_created_dir_then_replaced(mounted, tmp_path):
@@ -86,7 +94,7 @@ def test_renames_at_several_levels_with_changes_below(mounted, tmp_path):
         os.rename(r / "foo2/bar", r / "foo2/bar2")
         (r / "foo2/bar2/data").write_text("2")
         (r / "foo2/bar2/added").write_text("a")
-    got = run_case(mounted, tmp_path, setup, change)
+    got = run_case(mounted, tmp_path, setup, change, live=True)
     assert got == {("modify", "."), ("rename", "./foo", "./foo2"),
                    ("rename", "./foo/bar", "./foo2/bar2"), ("modify", "./foo2"),
                    ("modify", "./foo2/bar2"), ("modify", "./foo2/bar2/data"),
@@ -106,6 +114,47 @@ def test_swap_and_cycle(mounted, tmp_path):
         os.rename(r / "tmp2", r / "c")
     got = run_case(mounted, tmp_path, setup, change)
     assert got == {("modify", "."), ("rename", "./a", "./b"), ("rename", "./b", "./a")}
+
+
+def test_three_cycle_and_a_directory_swap_with_changes_inside(mounted, tmp_path):
+    def setup(r):
+        for n in "abc":
+            (r / n).write_text(n * 3)
+        for n in "xy":
+            (r / n).mkdir()
+            (r / n / "f").write_text(n)
+
+    def change(r):
+        os.rename(r / "a", r / "t")                   # a -> b -> c -> a
+        os.rename(r / "c", r / "a")
+        os.rename(r / "b", r / "c")
+        os.rename(r / "t", r / "b")
+        os.rename(r / "x", r / "t")                   # x <-> y, then change both insides
+        os.rename(r / "y", r / "x")
+        os.rename(r / "t", r / "y")
+        (r / "y/f").write_text("was x/f")
+        (r / "x/new").write_text("in the old y")
+    got = run_case(mounted, tmp_path, setup, change, live=True)
+    assert got == {("modify", "."), ("rename", "./a", "./b"), ("rename", "./b", "./c"),
+                   ("rename", "./c", "./a"), ("rename", "./x", "./y"),
+                   ("rename", "./y", "./x"), ("modify", "./y/f"), ("modify", "./x"),
+                   ("create", "./x/new")}
+
+
+def test_a_rename_out_and_back_in(mounted, tmp_path):
+    def setup(r):
+        (r / "d/sub").mkdir(parents=True)
+        (r / "d/f").write_text("1")
+        (r / "d/sub/g").write_text("2")
+
+    def change(r):
+        os.rename(r / "d/f", r / "f")                  # out of d, changed outside, back
+        (r / "f").write_text("changed while out")
+        os.rename(r / "f", r / "d/f")
+        os.rename(r / "d/sub", r / "sub")              # a directory out and back in
+        os.rename(r / "sub", r / "d/sub")
+    got = run_case(mounted, tmp_path, setup, change)
+    assert got == {("modify", "."), ("modify", "./d"), ("modify", "./d/f")}
 
 
 def test_rename_over_a_file_that_is_replaced(mounted, tmp_path):
@@ -182,25 +231,113 @@ def test_links_symlinks_specials_xattr_and_mode_changes(mounted, tmp_path):
     assert types["./sym"] == "symlink" and types["./fifo"] == "fifo"
 
 
-def test_nothing_changed_and_the_snapshot_tree_is_read_only(mounted, tmp_path):
+def snapshot_writes(r):
+    """Every way to change something under .snapshot (each must fail)."""
+    snap = r / ".snapshot/s1"
+    return {
+        "write": lambda: (snap / "f").write_text("y"),
+        "create": lambda: (snap / "new").write_text("y"),
+        "truncate": lambda: os.truncate(snap / "f", 0),
+        "mkdir": lambda: os.mkdir(snap / "dir"),
+        "rmdir": lambda: os.rmdir(snap / "d"),
+        "unlink": lambda: os.unlink(snap / "f"),
+        "rename inside": lambda: os.rename(snap / "f", snap / "g"),
+        "rename in": lambda: os.rename(r / "live", snap / "live"),
+        "rename out": lambda: os.rename(snap / "f", r / "stolen"),
+        "link": lambda: os.link(snap / "f", snap / "f2"),
+        "symlink": lambda: os.symlink("f", snap / "sym"),
+        "chmod": lambda: os.chmod(snap / "f", 0o777),
+        "utime": lambda: os.utime(snap / "f", ns=(1, 1)),
+        "setxattr": lambda: os.setxattr(snap / "f", "user.k", b"v"),
+        "new snapshot by mkdir": lambda: os.mkdir(r / ".snapshot/s9"),
+        "remove a snapshot by rmdir": lambda: os.rmdir(snap),
+    }
+
+
+def test_changes_under_snapshot_are_impossible_and_nothing_is_reported(mounted, tmp_path):
+    r = mounted.mnt
+    (r / "f").write_text("x")
+    (r / "d").mkdir()
+    mounted.snapctl("create", "s1")
+    (r / "live").write_text("l")
+    before = tree_state(r / ".snapshot/s1")
+    for what, attempt in snapshot_writes(r).items():
+        with pytest.raises(OSError) as err:
+            attempt()
+        assert err.value.errno in (errno.EROFS, errno.EPERM, errno.EACCES, errno.EXDEV), what
+    assert tree_state(r / ".snapshot/s1") == before
+    assert not (r / "stolen").exists() and (r / "live").read_text() == "l"
+    os.unlink(r / "live")
+    mounted.snapctl("create", "s2")
+    assert tree_state(r / ".snapshot/s1") == before
+    # live was created and removed again, both in the root: only the root's times changed
+    assert summary(report(mounted)) == {("modify", ".")}
+
+
+def test_no_change_is_an_empty_report(mounted):
     (mounted.mnt / "f").write_text("x")
     mounted.snapctl("create", "s1")
-    with pytest.raises(OSError):
-        (mounted.mnt / ".snapshot/s1/f").write_text("y")
     mounted.snapctl("create", "s2")
     assert report(mounted) == []
     assert report(mounted, "s1", "s1") == []
     assert report(mounted, "s2", ".") == []
+    res = mounted.snapctl("diff", "s1", "s2")
+    assert res.returncode == 0 and res.stdout == ""
 
 
 def test_diff_against_the_live_tree(mounted, tmp_path):
-    (mounted.mnt / "a").write_text("1")
+    r = mounted.mnt
+    (r / "a").write_text("1")
+    (r / "d").mkdir()
     mounted.snapctl("create", "s1")
-    with open(mounted.mnt / "a", "a") as h:            # still open: the diff flushes it
+    os.rename(r / "d", r / "d2")
+    (r / "d2/new").write_text("n")
+    with open(r / "a", "a") as h:                     # still open: the diff flushes it
         h.write("2")
         h.flush()
         entries = report(mounted, "s1", ".")
-    assert summary(entries) == {("modify", "./a")}
+        assert summary(entries) == {("modify", "."), ("modify", "./a"),
+                                    ("rename", "./d", "./d2"), ("modify", "./d2"),
+                                    ("create", "./d2/new")}
+    check_applies(mounted, tmp_path, entries, to=".")
+
+
+def test_chunk_lists_are_complete(make_mount, tmp_path):
+    """Applying only the listed chunk ranges (and the new size) to the FROM copy gives TO:
+    overwrites, appends past the end, a shrink, and a shrink-then-grow that leaves a hole
+    where data was."""
+    cs = 4096
+    m = make_mount(chunk_size="4K")
+    r = m.mnt
+    for name in ("over", "grow", "shrink", "hole"):
+        (r / name).write_bytes(bytes(range(256)) * 40)          # 10240 bytes: chunks 0-2
+    m.snapctl("create", "s1")
+    with open(r / "over", "r+b") as h:                          # inside chunk 1 only
+        h.seek(cs + 10)
+        h.write(b"X" * 100)
+    with open(r / "grow", "r+b") as h:                          # chunk 2, then 4 after a gap
+        h.seek(10240)
+        h.write(b"tail")
+        h.seek(4 * cs + 7)
+        h.write(b"far")
+    os.truncate(r / "shrink", cs + 5)
+    os.truncate(r / "hole", 100)                                # chunks 1, 2 cut away ...
+    os.truncate(r / "hole", 3 * cs)                             # ... and read as zeros again
+    m.snapctl("create", "s2")
+    entries = report(m, "s1", "s2", "--chunks")
+    files = {e["path"]: e for e in entries if e["type"] == "file"}
+    assert set(files) == {"./over", "./grow", "./shrink", "./hole"}
+    assert all(e["op"] == "modify" for e in files.values())
+    indices = {p: [c["index"] for c in e["chunks"]] for p, e in files.items()}
+    assert indices["./over"] == [1]
+    assert indices["./grow"] == [2, 4]
+    assert files["./grow"]["size"] == 4 * cs + 10
+    assert files["./shrink"]["size"] == cs + 5
+    assert indices["./shrink"] == [1, 2] and indices["./hole"] == [0, 1, 2]
+    holes = [c for p in ("./shrink", "./hole") for c in files[p]["chunks"] if c["index"] == 2]
+    assert all(c["length"] == 0 and c["digest"] is None for c in holes)   # cut away: holes
+    assert files["./shrink"]["chunks"][0]["length"] == 5
+    check_applies(m, tmp_path, entries, chunk_size=cs)
 
 
 def test_changed_chunks_of_a_large_sparse_file(make_mount, tmp_path):
@@ -231,19 +368,31 @@ def test_text_stat_and_errors(mounted):
     m = mounted.mnt
     (m / "b").write_text("1")
     (m / "a").write_text("2")
+    (m / "z").mkdir()
+    (m / "z/m").write_bytes(b"0" * 5000)
     mounted.snapctl("create", "s1")
     (m / "c").write_text("333")
     os.unlink(m / "b")
     os.rename(m / "a", m / "a2")
+    with open(m / "z/m", "r+b") as h:
+        h.write(b"abc")
     mounted.snapctl("create", "s2")
-    text = mounted.snapctl("diff", "s1", "s2").stdout.splitlines()
-    assert text == ["M .", "R ./a -> ./a2", "- ./b", "+ ./c"]
-    stat_lines = mounted.snapctl("diff", "s1", "s2", "--stat").stdout.splitlines()
-    assert stat_lines[0].split() == ["create", "1", "entries", "3", "bytes"]
-    assert stat_lines[1].split() == ["delete", "1", "entries", "1", "bytes"]
+    res = mounted.snapctl("diff", "s1", "s2")
+    assert res.returncode == 0
+    assert res.stdout.splitlines() == ["M .", "R ./a -> ./a2", "- ./b", "+ ./c", "M ./z/m"]
+    res = mounted.snapctl("diff", "s1", "s2", "--stat")
+    assert res.returncode == 0
+    # bytes: created and deleted file sizes; for a modify, the data of its changed chunks
+    assert [line.split() for line in res.stdout.splitlines()] == [
+        ["create", "1", "entries", "3", "bytes"],
+        ["delete", "1", "entries", "1", "bytes"],
+        ["rename", "1", "entries", "0", "bytes"],
+        ["modify", "2", "entries", "5000", "bytes"]]
     res = mounted.snapctl("diff", "s2", "s1", check=False)
-    assert res.returncode == 1 and "newer than TO" in res.stderr
+    assert res.returncode == 1 and "newer than TO" in res.stderr and res.stdout == ""
     res = mounted.snapctl("diff", "nope", "s1", check=False)
+    assert res.returncode == 1 and res.stderr.strip() == "snapctl: no snapshot named 'nope'"
+    res = mounted.snapctl("diff", "s1", "nope", "--json", check=False)
     assert res.returncode == 1 and res.stderr.strip() == "snapctl: no snapshot named 'nope'"
 
 
