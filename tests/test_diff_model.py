@@ -1,6 +1,11 @@
 """Property: for random file operations between two snapshots, the diff report applied to a
 copy of FROM yields TO (names, types, contents, modes, owners, times, symlink targets, hard
-links, xattrs).
+links, xattrs). Half of the examples ask for --chunks and apply only the listed chunk ranges
+(4 KiB chunks, so files span several), which also proves the chunk lists complete.
+
+Each example works in a fresh subdirectory of one mount and takes its own pair of snapshots;
+the whole tree is diffed and compared (earlier examples' directories are the same on both
+sides, so they must not appear in the report's effect).
 
 MOUNTFS_HYPOTHESIS_EXAMPLES raises the number of examples (default 25) for longer runs.
 """
@@ -13,16 +18,18 @@ import os
 import shutil
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diffapply import apply_report, copy_tree
-from test_replicate import tree_state
+from diffapply import apply_report, copy_tree, tree_state
 
 EXAMPLES = int(os.environ.get("MOUNTFS_HYPOTHESIS_EXAMPLES", "25"))
 NAMES = ["a", "b", "c", "d", "e"]
 OPS = ["write", "append", "truncate", "mkdir", "rmdir", "unlink", "rename", "link", "symlink",
-       "chmod", "utime", "setxattr", "rmtree"]
+       "chmod", "chown", "utime", "setxattr", "mkfifo", "rmtree"]
+CHUNK = 4096
+OWNERS = [0, 1000, 65534]
 
 paths = st.lists(st.sampled_from(NAMES), min_size=1, max_size=3).map("/".join)
 operations = st.lists(st.tuples(st.sampled_from(OPS), paths, paths,
@@ -59,6 +66,10 @@ def do(root, op, p, q, data, n) -> None:
             os.symlink(q, a)
         elif op == "chmod":
             os.chmod(a, 0o600 + n % 0o177)
+        elif op == "chown":
+            os.chown(a, OWNERS[n % 3], OWNERS[n // 3 % 3], follow_symlinks=False)
+        elif op == "mkfifo":
+            os.mkfifo(a, 0o640)
         elif op == "utime":
             os.utime(a, ns=(n * 1_000_003, n * 1_000_000_007))
         elif op == "setxattr":
@@ -69,26 +80,32 @@ def do(root, op, p, q, data, n) -> None:
         assert e.errno != errno.EIO, f"{op} {p} {q}: EIO"
 
 
+@pytest.fixture
+def small_chunks(make_mount):
+    return make_mount(chunk_size="4K")
+
+
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(before=operations, between=operations)
-def test_the_report_applied_to_from_yields_to(mounted, tmp_path, before, between):
+@given(before=operations, between=operations, chunks=st.booleans())
+def test_the_report_applied_to_from_yields_to(small_chunks, tmp_path, before, between, chunks):
+    m = small_chunks
     n = next(counter)
-    root = mounted.mnt / f"ex{n}"
+    root = m.mnt / f"ex{n}"
     root.mkdir()
     for op in before:
         do(root, *op)
-    mounted.snapctl("create", f"from{n}")
+    m.snapctl("create", f"from{n}")
     for op in between:
         do(root, *op)
-    mounted.snapctl("create", f"to{n}")
-    res = mounted.snapctl("diff", f"from{n}", f"to{n}", "--json")
+    m.snapctl("create", f"to{n}")
+    res = m.snapctl("diff", f"from{n}", f"to{n}", "--json", *(["--chunks"] if chunks else []))
     entries = [json.loads(line) for line in res.stdout.splitlines()]
     work = tmp_path / f"work{n}"
     work.mkdir()
     copy = work / "copy"
-    copy_tree(mounted.mnt / ".snapshot" / f"from{n}", copy)
-    to_root = mounted.mnt / ".snapshot" / f"to{n}"
-    apply_report(entries, copy, to_root)
+    copy_tree(m.mnt / ".snapshot" / f"from{n}", copy)
+    to_root = m.mnt / ".snapshot" / f"to{n}"
+    apply_report(entries, copy, to_root, chunk_size=CHUNK if chunks else None)
     assert tree_state(copy) == tree_state(to_root), entries
     shutil.rmtree(work)
