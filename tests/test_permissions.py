@@ -62,10 +62,52 @@ def test_mode_bits_are_enforced_for_other_users(shared):
     assert outcome(f"open('{m}/open/mine', 'w').write('x')") == "ok"
     assert os.stat(m / "open/mine").st_uid == NOBODY
     assert outcome(f"os.unlink('{m}/sticky/roots')") == "EPERM"      # sticky: not theirs
+    assert outcome(f"os.rename('{m}/sticky/roots', '{m}/sticky/r2')") == "EPERM"
+    assert outcome(f"open('{m}/sticky/own', 'w').close()\n"
+                   f"os.unlink('{m}/sticky/own')") == "ok"           # but their own, yes
+    assert (m / "sticky/roots").read_text() == "x"
+    assert outcome(f"os.truncate('{m}/public', 0)") == "EACCES"
+    assert (m / "public").read_text() == "everyone may read"
     assert outcome(f"os.chmod('{m}/public', 0o666)") == "EPERM"
     assert outcome(f"os.chown('{m}/open/mine', 0, 0)") == "EPERM"
     assert outcome(f"os.setxattr('{m}/public', 'user.k', b'v')") == "EACCES"
     assert outcome(f"os.listdir('{m}/.snapshot')") == "ok"          # browsing is reading
+
+
+def test_group_bits_and_search_permission(shared):
+    """The group class is chosen by gid and then decides alone (other bits do not add);
+    a directory without x for nobody hides what is inside, whatever its own mode."""
+    m = shared.mnt
+    for name, mode in (("group-read", 0o640), ("group-none", 0o604)):
+        (m / name).write_text(name)
+        os.chown(m / name, 0, NOBODY)
+        os.chmod(m / name, mode)
+    (m / "locked").mkdir(mode=0o700)
+    (m / "locked/inside").write_text("x")
+    os.chmod(m / "locked/inside", 0o644)
+    assert outcome(f"open('{m}/group-read').read()") == "ok"
+    assert outcome(f"open('{m}/group-none').read()") == "EACCES"
+    assert outcome(f"open('{m}/locked/inside').read()") == "EACCES"
+    assert outcome(f"os.stat('{m}/locked/inside')") == "EACCES"
+    os.chmod(m / "locked", 0o711)                                   # search without read
+    assert outcome(f"open('{m}/locked/inside').read()") == "ok"
+    assert outcome(f"os.listdir('{m}/locked')") == "EACCES"
+
+
+def test_times_and_set_id_bits_for_a_non_owner(shared):
+    """Write permission lets a non-owner set the times to now, not to chosen values; a
+    write by a non-owner drops the set-user-id bit (as on a local disk)."""
+    m = shared.mnt
+    (m / "shared").write_text("x")
+    os.chmod(m / "shared", 0o666)
+    os.utime(m / "shared", ns=(1, 1))
+    assert outcome(f"os.utime('{m}/shared')") == "ok"
+    assert os.stat(m / "shared").st_mtime_ns > 1
+    assert outcome(f"os.utime('{m}/shared', ns=(5, 5))") == "EPERM"
+    os.chmod(m / "shared", 0o4777)
+    assert outcome(f"open('{m}/shared', 'a').write('more')") == "ok"
+    assert (m / "shared").read_text() == "xmore"
+    assert os.stat(m / "shared").st_mode & 0o7777 == 0o777
 
 
 def test_snapshots_keep_their_permissions(shared):
@@ -78,9 +120,12 @@ def test_snapshots_keep_their_permissions(shared):
 
 def test_without_allow_other_nobody_is_kept_out(mounted):
     (mounted.mnt / "f").write_text("x")
-    os.chmod(mounted.mnt, 0o755)
-    os.chmod(mounted.mnt / "f", 0o644)
-    assert outcome(f"os.listdir('{mounted.mnt}')") == "EACCES"
+    os.chmod(mounted.mnt, 0o777)
+    os.chmod(mounted.mnt / "f", 0o666)
+    for code in (f"os.listdir('{mounted.mnt}')", f"os.stat('{mounted.mnt}/f')",
+                 f"open('{mounted.mnt}/f').read()", f"open('{mounted.mnt}/g', 'w')"):
+        assert outcome(code) == "EACCES", code
+    assert outcome(f"os.stat('{mounted.mnt.parent}')") == "ok"     # nobody gets this far
 
 
 def test_the_control_socket_is_owner_only(shared):
