@@ -134,3 +134,41 @@ def test_the_control_socket_is_owner_only(shared):
     assert outcome("import socket\n"
                    "s = socket.socket(socket.AF_UNIX)\n"
                    f"s.connect('{sock}')") == "EACCES"
+
+
+def snapctl_as_nobody(mount, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                           sys.executable, "-m", "mountfs.snapctl", "-m", str(mount.mnt), *args],
+                          capture_output=True, text=True, timeout=60, cwd="/")
+
+
+def test_snapctl_as_nobody_fails_with_one_clear_line(shared):
+    (shared.mnt / "f").write_text("x")
+    for args in (("create", "s1"), ("list",)):
+        res = snapctl_as_nobody(shared, *args)
+        assert res.returncode != 0, args
+        assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+        assert res.stderr.startswith("snapctl: permission denied: only the owner of the mount")
+    assert os.listdir(shared.mnt / ".snapshot") == []
+    shared.snapctl("create", "mine")                                 # root still may
+    assert os.listdir(shared.mnt / ".snapshot") == ["mine"]
+
+
+def test_the_peer_uid_is_checked_even_if_the_socket_mode_is_opened(shared):
+    """A second lock: with the store directory and the socket opened to everyone, the mount
+    still answers nobody with 'permission denied' (SO_PEERCRED) and does nothing."""
+    sock = shared.store / "control.sock"
+    assert outcome(f"os.stat('{sock}')") == "EACCES"                # the store is closed
+    os.chmod(shared.store, 0o711)
+    os.chmod(sock, 0o666)
+    reply = outcome("import socket\n"
+                    "s = socket.socket(socket.AF_UNIX)\n"
+                    f"s.connect('{sock}')\n"
+                    "s.sendall(b'{\"op\": \"create\", \"name\": \"sneaky\"}\\n')\n"
+                    "print(s.makefile().readline().strip())")
+    assert reply.splitlines() == ['{"ok": false, "error": "permission denied"}', "ok"]
+    assert os.listdir(shared.mnt / ".snapshot") == []
+    res = snapctl_as_nobody(shared, "create", "sneaky")
+    assert res.returncode != 0 and "permission denied" in res.stderr.lower()
+    assert "Traceback" not in res.stderr
+    assert os.listdir(shared.mnt / ".snapshot") == []
