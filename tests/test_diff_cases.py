@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 
 import blake3
 import pytest
@@ -37,6 +38,11 @@ def check_applies(m, tmp_path, entries, frm="s1", to="s2", chunk_size=None) -> N
 
 
 def run_case(m, tmp_path, setup, change, live=False) -> set:
+    """The summary of ``build_case``'s report."""
+    return summary(build_case(m, tmp_path, setup, change, live))
+
+
+def build_case(m, tmp_path, setup, change, live=False) -> list[dict]:
     """FROM state, snapshot s1, the changes, snapshot s2; the report applied to a copy of s1
     must give s2. With ``live``, the report against the live tree (unchanged since s2) must
     be the same and apply as well."""
@@ -50,7 +56,7 @@ def run_case(m, tmp_path, setup, change, live=False) -> set:
         live_entries = report(m, "s1", ".")
         assert summary(live_entries) == summary(entries)
         check_applies(m, tmp_path, live_entries, to=".")
-    return summary(entries)
+    return entries
 
 
 def test_create_then_move_into_a_created_directory(mounted, tmp_path):
@@ -141,6 +147,61 @@ def test_three_cycle_and_a_directory_swap_with_changes_inside(mounted, tmp_path)
                    ("create", "./x/new")}
 
 
+def test_changes_within_the_window_collapse(mounted, tmp_path):
+    """Only the net change shows: created+deleted is nothing, created+modified is one
+    CREATE, modified+deleted one DELETE, created+renamed one CREATE at the final path."""
+    def setup(r):
+        (r / "d").mkdir()
+        (r / "doomed").write_text("old")
+
+    def change(r):
+        (r / "d/tmp").write_text("gone again")
+        os.unlink(r / "d/tmp")
+        (r / "d/grown").write_text("1")
+        (r / "d/grown").write_text("12")
+        (r / "doomed").write_text("modified first")
+        os.unlink(r / "doomed")
+        (r / "d/born").write_text("b")
+        os.rename(r / "d/born", r / "moved")
+    got = run_case(mounted, tmp_path, setup, change)
+    assert got == {("modify", "."), ("modify", "./d"), ("create", "./d/grown"),
+                   ("delete", "./doomed"), ("create", "./moved")}
+
+
+def test_a_directory_renamed_into_its_former_descendant(mounted, tmp_path):
+    """HDFS's testDiffReportWithRename: dir1/foo/bar -> dir2/bar, then dir1/foo ->
+    dir2/bar/foo. Two independent renames with full paths at each end."""
+    def setup(r):
+        (r / "dir1/foo/bar").mkdir(parents=True)
+        (r / "dir1/foo/bar/file").write_text("f")
+        (r / "dir2").mkdir()
+
+    def change(r):
+        os.rename(r / "dir1/foo/bar", r / "dir2/bar")
+        os.rename(r / "dir1/foo", r / "dir2/bar/foo")
+    got = run_case(mounted, tmp_path, setup, change)
+    assert got == {("rename", "./dir1/foo", "./dir2/bar/foo"),
+                   ("rename", "./dir1/foo/bar", "./dir2/bar"), ("modify", "./dir1"),
+                   ("modify", "./dir2"), ("modify", "./dir2/bar/foo"),
+                   ("modify", "./dir2/bar")}
+
+
+def test_renamed_then_the_targets_ancestor_deleted(mounted, tmp_path):
+    """HDFS's testDiffReportWithRenameAndDelete: the moved file is gone at TO, so it is a
+    DELETE at its FROM path, not a rename."""
+    def setup(r):
+        (r / "dir1/foo").mkdir(parents=True)
+        (r / "dir1/foo/file").write_text("f")
+        (r / "dir2/bar").mkdir(parents=True)
+
+    def change(r):
+        os.rename(r / "dir1/foo/file", r / "dir2/bar/file")
+        shutil.rmtree(r / "dir2/bar")
+    got = run_case(mounted, tmp_path, setup, change)
+    assert got == {("modify", "./dir1/foo"), ("delete", "./dir1/foo/file"),
+                   ("modify", "./dir2"), ("delete", "./dir2/bar")}
+
+
 def test_a_rename_out_and_back_in(mounted, tmp_path):
     def setup(r):
         (r / "d/sub").mkdir(parents=True)
@@ -212,23 +273,31 @@ def test_a_directory_emptied_and_deleted(mounted, tmp_path):
 
 def test_links_symlinks_specials_xattr_and_mode_changes(mounted, tmp_path):
     def setup(r):
-        (r / "f").write_text("x")
-        (r / "g").write_text("y")
-        (r / "h").write_text("z")
+        for n in "fghk":
+            (r / n).write_text(n)
+        (r / "p").write_text("linked twice")
+        os.link(r / "p", r / "p2")
 
     def change(r):
-        os.link(r / "f", r / "f-link")
+        os.link(r / "f", r / "f-link")                 # a new name for an old inode
         os.symlink("g", r / "sym")
         os.mkfifo(r / "fifo")
+        os.mknod(r / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
         os.setxattr(r / "g", "user.tag", b"1")         # xattr only
         os.chmod(r / "h", 0o600)                       # mode only
-    got = run_case(mounted, tmp_path, setup, change)
-    assert got == {("modify", "."), ("create", "./f-link"), ("create", "./sym"),
-                   ("create", "./fifo"), ("modify", "./g"), ("modify", "./h")}
-    links = [e for e in report(mounted) if e["path"] == "./f-link"]
-    assert links[0]["link"] == "./f"
-    types = {e["path"]: e["type"] for e in report(mounted)}
-    assert types["./sym"] == "symlink" and types["./fifo"] == "fifo"
+        (r / "newdir").mkdir()                          # k's only name moves by link+unlink
+        os.link(r / "k", r / "newdir/l")
+        os.unlink(r / "k")
+        os.unlink(r / "p2")                             # one of two names goes
+    entries = build_case(mounted, tmp_path, setup, change)
+    assert summary(entries) == {
+        ("modify", "."), ("create", "./f-link"), ("create", "./sym"), ("create", "./fifo"),
+        ("create", "./null"), ("modify", "./g"), ("modify", "./h"), ("create", "./newdir"),
+        ("rename", "./k", "./newdir/l"), ("delete", "./p2")}
+    by_path = {e["path"]: e for e in entries}
+    assert by_path["./f-link"]["link"] == "./f"
+    assert {p: by_path[p]["type"] for p in ("./sym", "./fifo", "./null", "./p2")} == {
+        "./sym": "symlink", "./fifo": "fifo", "./null": "chardev", "./p2": "file"}
 
 
 def snapshot_writes(r):
