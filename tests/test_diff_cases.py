@@ -1,10 +1,17 @@
 """snapctl diff on the cases that break naive diffs (the DistCp snapshot-diff article and
 HDFS's tests): each checks the exact report, then applies it to a copy of FROM and compares
-the result with TO."""
+the result with TO.
+
+Most cases share one mount (a mount per test would cost more than the tests): each works in
+its own directory with its own two snapshots, and paths in the expected reports are relative
+to that directory ("." is the case's directory). The diff is still of the whole tree, and
+the copy compared with TO is of the whole tree.
+"""
 
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import shutil
@@ -13,53 +20,93 @@ import stat
 import blake3
 import pytest
 
+from conftest import Mount, cli, fsck_clean
 from diffapply import apply_report, copy_tree, tree_state
 
-
-def report(m, frm="s1", to="s2", *extra) -> list[dict]:
-    res = m.snapctl("diff", frm, to, "--json", *extra)
-    return [json.loads(line) for line in res.stdout.splitlines()]
+_numbers = itertools.count()
 
 
-def summary(entries) -> set:
-    """Entries as (op, path[, to]) for exact comparisons (ignoring inode numbers)."""
-    return {(e["op"], e["path"]) + ((e["to"],) if e["op"] == "rename" else ())
-            for e in entries}
+class Case:
+    """One test's part of a mount: a directory (``name``; None for the whole mount) and the
+    snapshots ``s1`` and ``s2`` around its changes."""
+
+    def __init__(self, m: Mount, tmp_path, name: str | None = None):
+        self.m, self.tmp = m, tmp_path
+        self.prefix = f"./{name}" if name else "."
+        self.root = m.mnt / name if name else m.mnt
+        self.s1, self.s2 = (f"{name}-s1", f"{name}-s2") if name else ("s1", "s2")
+        self.root.mkdir(exist_ok=True)
+
+    def snap(self, name: str) -> None:
+        self.m.snapctl("create", name)
+
+    def report(self, frm=None, to=None, *extra) -> list[dict]:
+        res = self.m.snapctl("diff", frm or self.s1, to or self.s2, "--json", *extra)
+        return [json.loads(line) for line in res.stdout.splitlines()]
+
+    def rel(self, path: str) -> str:
+        """A report path made relative to the case's directory (others stay as they are,
+        and so show up as unexpected)."""
+        if path == self.prefix:
+            return "."
+        if self.prefix != "." and path.startswith(self.prefix + "/"):
+            return "." + path[len(self.prefix):]
+        return path
+
+    def summary(self, entries) -> set:
+        """Entries as (op, path[, to]) for exact comparisons (inode numbers left out)."""
+        return {(e["op"], self.rel(e["path"]))
+                + ((self.rel(e["to"]),) if e["op"] == "rename" else ()) for e in entries}
+
+    def check_applies(self, entries, to=None, chunk_size=None) -> None:
+        """Apply the report to an independent copy of FROM, compare the result with TO."""
+        to = to or self.s2
+        copy = self.tmp / "copy"
+        copy_tree(self.m.mnt / ".snapshot" / self.s1, copy)
+        to_root = self.m.mnt / ".snapshot" / to if to != "." else self.m.mnt
+        apply_report(entries, copy, to_root, chunk_size=chunk_size)
+        assert tree_state(copy) == tree_state(to_root)
+        shutil.rmtree(copy)
+
+    def build(self, setup, change, live=False) -> list[dict]:
+        """FROM state, snapshot s1, the changes, snapshot s2; the report applied to a copy
+        of s1 must give s2. With ``live``, the report against the live tree (unchanged
+        since s2) must be the same and apply as well."""
+        setup(self.root)
+        self.snap(self.s1)
+        change(self.root)
+        self.snap(self.s2)
+        entries = self.report()
+        self.check_applies(entries)
+        if live:
+            live_entries = self.report(self.s1, ".")
+            assert self.summary(live_entries) == self.summary(entries)
+            self.check_applies(live_entries, to=".")
+        return entries
+
+    def run(self, setup, change, live=False) -> set:
+        return self.summary(self.build(setup, change, live))
 
 
-def check_applies(m, tmp_path, entries, frm="s1", to="s2", chunk_size=None) -> None:
-    """Apply the report to an independent copy of FROM and compare the result with TO."""
-    copy = tmp_path / "copy"
-    copy_tree(m.mnt / ".snapshot" / frm, copy)
-    to_root = m.mnt / ".snapshot" / to if to != "." else m.mnt
-    apply_report(entries, copy, to_root, chunk_size=chunk_size)
-    assert tree_state(copy) == tree_state(to_root)
-    shutil.rmtree(copy)
+@pytest.fixture(scope="module")
+def shared_mount(tmp_path_factory):
+    """One mount for the cases of this module; fsck must pass after them."""
+    base = tmp_path_factory.mktemp("diff-cases")
+    store, mnt = base / "store", base / "mnt"
+    cli("mountfs", "mkfs", store)
+    mnt.mkdir()
+    m = Mount(store, mnt).mount()
+    yield m
+    m.cleanup()
+    fsck_clean(store)
 
 
-def run_case(m, tmp_path, setup, change, live=False) -> set:
-    """The summary of ``build_case``'s report."""
-    return summary(build_case(m, tmp_path, setup, change, live))
+@pytest.fixture
+def case(shared_mount, tmp_path) -> Case:
+    return Case(shared_mount, tmp_path, f"case{next(_numbers)}")
 
 
-def build_case(m, tmp_path, setup, change, live=False) -> list[dict]:
-    """FROM state, snapshot s1, the changes, snapshot s2; the report applied to a copy of s1
-    must give s2. With ``live``, the report against the live tree (unchanged since s2) must
-    be the same and apply as well."""
-    setup(m.mnt)
-    m.snapctl("create", "s1")
-    change(m.mnt)
-    m.snapctl("create", "s2")
-    entries = report(m)
-    check_applies(m, tmp_path, entries)
-    if live:
-        live_entries = report(m, "s1", ".")
-        assert summary(live_entries) == summary(entries)
-        check_applies(m, tmp_path, live_entries, to=".")
-    return entries
-
-
-def test_create_then_move_into_a_created_directory(mounted, tmp_path):
+def test_create_then_move_into_a_created_directory(case):
     def setup(r):
         (r / "old").mkdir()
 
@@ -70,11 +117,11 @@ def test_create_then_move_into_a_created_directory(mounted, tmp_path):
         (r / "newdir").mkdir()
         os.rename(r / "f", r / "newdir/f")
         os.rename(r / "d", r / "newdir/d")
-    got = run_case(mounted, tmp_path, setup, change, live=True)
+    got = case.run(setup, change, live=True)
     assert got == {("modify", "."), ("create", "./newdir")}
 
 
-def test_existing_dir_moved_into_created_dir_then_replaced(mounted, tmp_path):
+def test_existing_dir_moved_into_created_dir_then_replaced(case):
     def setup(r):
         (r / "a/b").mkdir(parents=True)
         (r / "a/b/file").write_text("old")
@@ -85,11 +132,11 @@ def test_existing_dir_moved_into_created_dir_then_replaced(mounted, tmp_path):
         shutil.rmtree(r / "c/b")
         (r / "c/b").mkdir()
         (r / "c/b/file").write_text("brand new")
-    got = run_case(mounted, tmp_path, setup, change)
+    got = case.run(setup, change)
     assert got == {("modify", "."), ("modify", "./a"), ("delete", "./a/b"), ("create", "./c")}
 
 
-def test_renames_at_several_levels_with_changes_below(mounted, tmp_path):
+def test_renames_at_several_levels_with_changes_below(case):
     def setup(r):
         (r / "foo/bar").mkdir(parents=True)
         (r / "foo/bar/data").write_text("1")
@@ -100,14 +147,14 @@ def test_renames_at_several_levels_with_changes_below(mounted, tmp_path):
         os.rename(r / "foo2/bar", r / "foo2/bar2")
         (r / "foo2/bar2/data").write_text("2")
         (r / "foo2/bar2/added").write_text("a")
-    got = run_case(mounted, tmp_path, setup, change, live=True)
+    got = case.run(setup, change, live=True)
     assert got == {("modify", "."), ("rename", "./foo", "./foo2"),
                    ("rename", "./foo/bar", "./foo2/bar2"), ("modify", "./foo2"),
                    ("modify", "./foo2/bar2"), ("modify", "./foo2/bar2/data"),
                    ("create", "./foo2/bar2/added")}
 
 
-def test_swap_and_cycle(mounted, tmp_path):
+def test_swap_and_cycle(case):
     def setup(r):
         for n in "abc":
             (r / n).write_text(n)
@@ -118,11 +165,11 @@ def test_swap_and_cycle(mounted, tmp_path):
         os.rename(r / "tmp", r / "b")
         os.rename(r / "c", r / "tmp2")                 # c -> tmp2 -> c (out and back)
         os.rename(r / "tmp2", r / "c")
-    got = run_case(mounted, tmp_path, setup, change)
+    got = case.run(setup, change)
     assert got == {("modify", "."), ("rename", "./a", "./b"), ("rename", "./b", "./a")}
 
 
-def test_three_cycle_and_a_directory_swap_with_changes_inside(mounted, tmp_path):
+def test_three_cycle_and_a_directory_swap_with_changes_inside(case):
     def setup(r):
         for n in "abc":
             (r / n).write_text(n * 3)
@@ -140,14 +187,14 @@ def test_three_cycle_and_a_directory_swap_with_changes_inside(mounted, tmp_path)
         os.rename(r / "t", r / "y")
         (r / "y/f").write_text("was x/f")
         (r / "x/new").write_text("in the old y")
-    got = run_case(mounted, tmp_path, setup, change, live=True)
+    got = case.run(setup, change, live=True)
     assert got == {("modify", "."), ("rename", "./a", "./b"), ("rename", "./b", "./c"),
                    ("rename", "./c", "./a"), ("rename", "./x", "./y"),
                    ("rename", "./y", "./x"), ("modify", "./y/f"), ("modify", "./x"),
                    ("create", "./x/new")}
 
 
-def test_changes_within_the_window_collapse(mounted, tmp_path):
+def test_changes_within_the_window_collapse(case):
     """Only the net change shows: created+deleted is nothing, created+modified is one
     CREATE, modified+deleted one DELETE, created+renamed one CREATE at the final path."""
     def setup(r):
@@ -163,12 +210,12 @@ def test_changes_within_the_window_collapse(mounted, tmp_path):
         os.unlink(r / "doomed")
         (r / "d/born").write_text("b")
         os.rename(r / "d/born", r / "moved")
-    got = run_case(mounted, tmp_path, setup, change)
+    got = case.run(setup, change)
     assert got == {("modify", "."), ("modify", "./d"), ("create", "./d/grown"),
                    ("delete", "./doomed"), ("create", "./moved")}
 
 
-def test_a_directory_renamed_into_its_former_descendant(mounted, tmp_path):
+def test_a_directory_renamed_into_its_former_descendant(case):
     """HDFS's testDiffReportWithRename: dir1/foo/bar -> dir2/bar, then dir1/foo ->
     dir2/bar/foo. Two independent renames with full paths at each end."""
     def setup(r):
@@ -179,14 +226,14 @@ def test_a_directory_renamed_into_its_former_descendant(mounted, tmp_path):
     def change(r):
         os.rename(r / "dir1/foo/bar", r / "dir2/bar")
         os.rename(r / "dir1/foo", r / "dir2/bar/foo")
-    got = run_case(mounted, tmp_path, setup, change)
+    got = case.run(setup, change)
     assert got == {("rename", "./dir1/foo", "./dir2/bar/foo"),
                    ("rename", "./dir1/foo/bar", "./dir2/bar"), ("modify", "./dir1"),
                    ("modify", "./dir2"), ("modify", "./dir2/bar/foo"),
                    ("modify", "./dir2/bar")}
 
 
-def test_renamed_then_the_targets_ancestor_deleted(mounted, tmp_path):
+def test_renamed_then_the_targets_ancestor_deleted(case):
     """HDFS's testDiffReportWithRenameAndDelete: the moved file is gone at TO, so it is a
     DELETE at its FROM path, not a rename."""
     def setup(r):
@@ -197,12 +244,12 @@ def test_renamed_then_the_targets_ancestor_deleted(mounted, tmp_path):
     def change(r):
         os.rename(r / "dir1/foo/file", r / "dir2/bar/file")
         shutil.rmtree(r / "dir2/bar")
-    got = run_case(mounted, tmp_path, setup, change)
+    got = case.run(setup, change)
     assert got == {("modify", "./dir1/foo"), ("delete", "./dir1/foo/file"),
                    ("modify", "./dir2"), ("delete", "./dir2/bar")}
 
 
-def test_a_rename_out_and_back_in(mounted, tmp_path):
+def test_a_rename_out_and_back_in(case):
     def setup(r):
         (r / "d/sub").mkdir(parents=True)
         (r / "d/f").write_text("1")
@@ -214,22 +261,22 @@ def test_a_rename_out_and_back_in(mounted, tmp_path):
         os.rename(r / "f", r / "d/f")
         os.rename(r / "d/sub", r / "sub")              # a directory out and back in
         os.rename(r / "sub", r / "d/sub")
-    got = run_case(mounted, tmp_path, setup, change)
+    got = case.run(setup, change)
     assert got == {("modify", "."), ("modify", "./d"), ("modify", "./d/f")}
 
 
-def test_rename_over_a_file_that_is_replaced(mounted, tmp_path):
+def test_rename_over_a_file_that_is_replaced(case):
     def setup(r):
         (r / "src").write_text("source")
         (r / "dst").write_text("victim")
 
     def change(r):
         os.rename(r / "src", r / "dst")
-    got = run_case(mounted, tmp_path, setup, change)
+    got = case.run(setup, change)
     assert got == {("modify", "."), ("delete", "./dst"), ("rename", "./src", "./dst")}
 
 
-def test_delete_then_recreate_is_a_new_inode(mounted, tmp_path):
+def test_delete_then_recreate_is_a_new_inode(case):
     def setup(r):
         (r / "f").write_text("old")
         (r / "d").mkdir()
@@ -239,13 +286,13 @@ def test_delete_then_recreate_is_a_new_inode(mounted, tmp_path):
         (r / "f").write_text("new")
         os.rmdir(r / "d")
         (r / "d").mkdir()
-    got = run_case(mounted, tmp_path, setup, change)
+    got = case.run(setup, change)
     assert got == {("modify", "."), ("delete", "./f"), ("create", "./f"), ("delete", "./d"),
                    ("create", "./d")}
 
 
 @pytest.mark.parametrize("order", ["rename-then-modify", "modify-then-rename"])
-def test_rename_and_modify(mounted, tmp_path, order):
+def test_rename_and_modify(case, order):
     def setup(r):
         (r / "f").write_text("v1")
 
@@ -256,11 +303,11 @@ def test_rename_and_modify(mounted, tmp_path, order):
         else:
             (r / "f").write_text("v2")
             os.rename(r / "f", r / "g")
-    got = run_case(mounted, tmp_path, setup, change)
+    got = case.run(setup, change)
     assert got == {("modify", "."), ("rename", "./f", "./g"), ("modify", "./g")}
 
 
-def test_a_directory_emptied_and_deleted(mounted, tmp_path):
+def test_a_directory_emptied_and_deleted(case):
     def setup(r):
         (r / "d/sub").mkdir(parents=True)
         for i in range(5):
@@ -268,10 +315,10 @@ def test_a_directory_emptied_and_deleted(mounted, tmp_path):
 
     def change(r):
         shutil.rmtree(r / "d")
-    assert run_case(mounted, tmp_path, setup, change) == {("modify", "."), ("delete", "./d")}
+    assert case.run(setup, change) == {("modify", "."), ("delete", "./d")}
 
 
-def test_links_symlinks_specials_xattr_and_mode_changes(mounted, tmp_path):
+def test_links_symlinks_specials_xattr_and_mode_changes(case):
     def setup(r):
         for n in "fghk":
             (r / n).write_text(n)
@@ -289,20 +336,20 @@ def test_links_symlinks_specials_xattr_and_mode_changes(mounted, tmp_path):
         os.link(r / "k", r / "newdir/l")
         os.unlink(r / "k")
         os.unlink(r / "p2")                             # one of two names goes
-    entries = build_case(mounted, tmp_path, setup, change)
-    assert summary(entries) == {
+    entries = case.build(setup, change)
+    assert case.summary(entries) == {
         ("modify", "."), ("create", "./f-link"), ("create", "./sym"), ("create", "./fifo"),
         ("create", "./null"), ("modify", "./g"), ("modify", "./h"), ("create", "./newdir"),
         ("rename", "./k", "./newdir/l"), ("delete", "./p2")}
-    by_path = {e["path"]: e for e in entries}
-    assert by_path["./f-link"]["link"] == "./f"
+    by_path = {case.rel(e["path"]): e for e in entries}
+    assert case.rel(by_path["./f-link"]["link"]) == "./f"
     assert {p: by_path[p]["type"] for p in ("./sym", "./fifo", "./null", "./p2")} == {
         "./sym": "symlink", "./fifo": "fifo", "./null": "chardev", "./p2": "file"}
 
 
-def snapshot_writes(r):
-    """Every way to change something under .snapshot (each must fail)."""
-    snap = r / ".snapshot/s1"
+def snapshot_writes(r, snapshot, snap):
+    """Every way to change something under .snapshot (each must fail): ``snapshot`` is the
+    snapshot's root, ``snap`` the case's directory in it, ``r`` the live one."""
     return {
         "write": lambda: (snap / "f").write_text("y"),
         "create": lambda: (snap / "new").write_text("y"),
@@ -318,57 +365,72 @@ def snapshot_writes(r):
         "chmod": lambda: os.chmod(snap / "f", 0o777),
         "utime": lambda: os.utime(snap / "f", ns=(1, 1)),
         "setxattr": lambda: os.setxattr(snap / "f", "user.k", b"v"),
-        "new snapshot by mkdir": lambda: os.mkdir(r / ".snapshot/s9"),
-        "remove a snapshot by rmdir": lambda: os.rmdir(snap),
+        "new snapshot by mkdir": lambda: os.mkdir(snapshot.parent / "made-by-mkdir"),
+        "remove a snapshot by rmdir": lambda: os.rmdir(snapshot),
+        "rename a snapshot": lambda: os.rename(snapshot, snapshot.parent / "renamed"),
     }
 
 
-def test_changes_under_snapshot_are_impossible_and_nothing_is_reported(mounted, tmp_path):
-    r = mounted.mnt
+def test_changes_under_snapshot_are_impossible_and_nothing_is_reported(case):
+    r = case.root
     (r / "f").write_text("x")
     (r / "d").mkdir()
-    mounted.snapctl("create", "s1")
+    case.snap(case.s1)
     (r / "live").write_text("l")
-    before = tree_state(r / ".snapshot/s1")
-    for what, attempt in snapshot_writes(r).items():
+    snapshot = case.m.mnt / ".snapshot" / case.s1
+    snap = snapshot / r.name
+    before = tree_state(snap)
+    for what, attempt in snapshot_writes(r, snapshot, snap).items():
         with pytest.raises(OSError) as err:
             attempt()
         assert err.value.errno in (errno.EROFS, errno.EPERM, errno.EACCES, errno.EXDEV), what
-    assert tree_state(r / ".snapshot/s1") == before
+    assert tree_state(snap) == before
     assert not (r / "stolen").exists() and (r / "live").read_text() == "l"
     os.unlink(r / "live")
-    mounted.snapctl("create", "s2")
-    assert tree_state(r / ".snapshot/s1") == before
-    # live was created and removed again, both in the root: only the root's times changed
-    assert summary(report(mounted)) == {("modify", ".")}
+    case.snap(case.s2)
+    assert tree_state(snap) == before
+    # live was created and removed again: only the directory's times changed
+    assert case.summary(case.report()) == {("modify", ".")}
 
 
-def test_no_change_is_an_empty_report(mounted):
-    (mounted.mnt / "f").write_text("x")
-    mounted.snapctl("create", "s1")
-    mounted.snapctl("create", "s2")
-    assert report(mounted) == []
-    assert report(mounted, "s1", "s1") == []
-    assert report(mounted, "s2", ".") == []
-    res = mounted.snapctl("diff", "s1", "s2")
+def test_no_change_is_an_empty_report(case):
+    (case.root / "f").write_text("x")
+    case.snap(case.s1)
+    case.snap(case.s2)
+    assert case.report() == []
+    assert case.report(case.s1, case.s1) == []
+    assert case.report(case.s2, ".") == []
+    res = case.m.snapctl("diff", case.s1, case.s2)
     assert res.returncode == 0 and res.stdout == ""
 
 
-def test_diff_against_the_live_tree(mounted, tmp_path):
-    r = mounted.mnt
+def test_diff_against_the_live_tree(case):
+    r = case.root
     (r / "a").write_text("1")
     (r / "d").mkdir()
-    mounted.snapctl("create", "s1")
+    case.snap(case.s1)
     os.rename(r / "d", r / "d2")
     (r / "d2/new").write_text("n")
     with open(r / "a", "a") as h:                     # still open: the diff flushes it
         h.write("2")
         h.flush()
-        entries = report(mounted, "s1", ".")
-        assert summary(entries) == {("modify", "."), ("modify", "./a"),
-                                    ("rename", "./d", "./d2"), ("modify", "./d2"),
-                                    ("create", "./d2/new")}
-    check_applies(mounted, tmp_path, entries, to=".")
+        entries = case.report(case.s1, ".")
+        assert case.summary(entries) == {("modify", "."), ("modify", "./a"),
+                                         ("rename", "./d", "./d2"), ("modify", "./d2"),
+                                         ("create", "./d2/new")}
+    case.check_applies(entries, to=".")
+
+
+def test_a_file_deleted_while_open_is_a_delete(case):
+    (case.root / "f").write_text("x")
+    case.snap(case.s1)
+    with open(case.root / "f", "rb") as h:
+        os.unlink(case.root / "f")
+        case.snap(case.s2)                        # the inode still exists, with no name
+        assert h.read() == b"x"
+        entries = case.report()
+    assert case.summary(entries) == {("modify", "."), ("delete", "./f")}
+    case.check_applies(entries)
 
 
 def test_chunk_lists_are_complete(make_mount, tmp_path):
@@ -377,6 +439,7 @@ def test_chunk_lists_are_complete(make_mount, tmp_path):
     where data was."""
     cs = 4096
     m = make_mount(chunk_size="4K")
+    case = Case(m, tmp_path)
     r = m.mnt
     for name in ("over", "grow", "shrink", "hole"):
         (r / name).write_bytes(bytes(range(256)) * 40)          # 10240 bytes: chunks 0-2
@@ -393,7 +456,7 @@ def test_chunk_lists_are_complete(make_mount, tmp_path):
     os.truncate(r / "hole", 100)                                # chunks 1, 2 cut away ...
     os.truncate(r / "hole", 3 * cs)                             # ... and read as zeros again
     m.snapctl("create", "s2")
-    entries = report(m, "s1", "s2", "--chunks")
+    entries = case.report("s1", "s2", "--chunks")
     files = {e["path"]: e for e in entries if e["type"] == "file"}
     assert set(files) == {"./over", "./grow", "./shrink", "./hole"}
     assert all(e["op"] == "modify" for e in files.values())
@@ -406,7 +469,7 @@ def test_chunk_lists_are_complete(make_mount, tmp_path):
     holes = [c for p in ("./shrink", "./hole") for c in files[p]["chunks"] if c["index"] == 2]
     assert all(c["length"] == 0 and c["digest"] is None for c in holes)   # cut away: holes
     assert files["./shrink"]["chunks"][0]["length"] == 5
-    check_applies(m, tmp_path, entries, chunk_size=cs)
+    case.check_applies(entries, chunk_size=cs)
 
 
 def test_changed_chunks_of_a_large_sparse_file(make_mount, tmp_path):
@@ -421,7 +484,7 @@ def test_changed_chunks_of_a_large_sparse_file(make_mount, tmp_path):
         h.seek(30000 * 65536 + 5)
         h.write(new)
     m.snapctl("create", "s2")
-    (entry,) = report(m, "s1", "s2", "--chunks")
+    (entry,) = Case(m, tmp_path).report("s1", "s2", "--chunks")
     chunk = (m.mnt / ".snapshot/s2/sparse").open("rb")
     chunk.seek(30000 * 65536)
     data = chunk.read(65536)
@@ -463,15 +526,3 @@ def test_text_stat_and_errors(mounted):
     assert res.returncode == 1 and res.stderr.strip() == "snapctl: no snapshot named 'nope'"
     res = mounted.snapctl("diff", "s1", "nope", "--json", check=False)
     assert res.returncode == 1 and res.stderr.strip() == "snapctl: no snapshot named 'nope'"
-
-
-def test_a_file_deleted_while_open_is_a_delete(mounted, tmp_path):
-    (mounted.mnt / "f").write_text("x")
-    mounted.snapctl("create", "s1")
-    with open(mounted.mnt / "f", "rb") as h:
-        os.unlink(mounted.mnt / "f")
-        mounted.snapctl("create", "s2")          # the inode still exists, with no name
-        assert h.read() == b"x"
-        entries = report(mounted)
-    assert summary(entries) == {("modify", "."), ("delete", "./f")}
-    check_applies(mounted, tmp_path, entries)
