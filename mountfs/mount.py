@@ -165,7 +165,10 @@ def mount_background(store: str, mountpoint: str, allow_other: bool, read_only: 
     """Start the mount process and wait until it reports that the mount is live."""
     rfd, wfd = os.pipe()
     store = os.path.abspath(store)
-    log_path = Path(store) / "mountfs.log" if Path(store).is_dir() else Path(os.devnull)
+    # Log into the store only if it is one: a refused directory must be left as it was (an
+    # empty one would no longer be empty, and 'mountfs mkfs' would refuse it).
+    is_store = (Path(store) / "data.mdb").is_file()
+    log_path = Path(store) / "mountfs.log" if is_store else Path(os.devnull)
     cmd = [sys.executable, "-m", "mountfs.cli"] + (["-v"] if verbose else []) + \
         ["mount", "--foreground", "--ready-fd", str(wfd), store, mountpoint]
     if allow_other:
