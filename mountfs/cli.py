@@ -33,7 +33,42 @@ def fail(msg: str, code: int = 1):
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineUsageError(click.UsageError):
+    """A usage error shown as one line naming the command, like every other error (click's
+    own form is four lines: usage, a hint, a blank line, then the error)."""
+
+    def show(self, file=None) -> None:
+        msg = self.format_message().rstrip(".")
+        if self.ctx is not None:
+            path = self.ctx.command_path
+            msg = f"{path}: {msg} (see '{path} --help')"
+        click.echo(msg, err=True)
+
+
+class OneLineGroup(click.Group):
+    """A command group (mountfs, snapctl) whose usage errors, its own or its commands', are
+    one line on stderr with status 2."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+
+def _one_line(e: click.UsageError) -> click.UsageError:
+    if isinstance(e, (OneLineUsageError, click.exceptions.NoArgsIsHelpError)):
+        return e                                  # no arguments at all: the help is right
+    return OneLineUsageError(e.format_message(), e.ctx)
+
+
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages.")
 @click.pass_context
 def main(ctx, verbose):

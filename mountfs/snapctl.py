@@ -17,6 +17,7 @@ import sys
 import click
 
 from . import control
+from .cli import OneLineGroup
 from .mount import find_mount
 from .store import StoreError
 
@@ -95,7 +96,7 @@ def run(target: Target, request: dict, offline) -> dict:
         store.close()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--mountpoint", type=click.Path(), help="The mounted filesystem.")
 @click.option("--store", type=click.Path(), help="A store directory (mounted or not).")
 @click.pass_context
