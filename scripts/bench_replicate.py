@@ -1,43 +1,65 @@
 #!/usr/bin/env python3
-"""Replication vs rsync, and the cost of verify (issue 4).
+"""Benchmark of issue 4: replication against `rsync -a --delete`, and the cost of verify.
 
-A tree of FILES files (mixed sizes) is written through a mount, snapshotted and replicated
-to a `mountfs serve-mirror` receiver on loopback; then CHANGED files are rewritten in part, a
-directory holding about half the data is renamed, a large file is appended to, and the next
-snapshot is replicated. In the same run `rsync -a --delete --stats` copies the mount to a
-plain directory for the same two steps. Printed: cycle time and bytes sent for both, the
-changed chunk bytes, the ratios, and `snapctl verify` of a mirror of CHUNKS chunk leaves
-(time and bytes on the wire).
+A tree of --files files (mixed sizes, --total-mib in all, half of the data under big/) is
+written through a mount, snapshotted and replicated to a `mountfs serve-mirror` receiver on
+loopback (HTTP); then --changed files are rewritten in part (4 KiB each), big/ is renamed and
+the largest file grows by 8 MiB, and the next snapshot is replicated. In the same run
+`rsync -a --delete --stats` copies the mounted snapshots to a plain directory, the same two
+steps, and a file:// mirror takes the same cycles. Then a directory rename alone, and
+`snapctl verify` of a mirror holding --verify-chunks chunk leaves.
 
-    .venv/bin/python scripts/bench_replicate.py [--files N] [--total-mib M] [--quick] [--json F]
+    .venv/bin/python scripts/bench_replicate.py [--files N] [--total-mib M] [--json F]
+    .venv/bin/python scripts/bench_replicate.py --quick     # 5,000 files, 100 MiB
+
+"Bytes on the wire" are counted by a TCP relay between the clients and the receiver: every
+byte of every request and reply (headers included), also those of the Spark tasks, which run
+in other processes. The first full copy goes straight to the receiver (the relay would cost
+it CPU); its "bytes sent" is the chunk data the receiver stored.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
-import shutil
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-TOP = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
+from bench_io import (Results, VENV_BIN, Workdir, machine_info, mount,  # noqa: E402
+                      print_table, run, umount)
+
 TOKEN = "bench-token-0123456789abcdef"
+CHUNK = 1 << 20                     # the stores' chunk size (mkfs's default)
+MB = 1e6
 
 
-def run(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([str(a) for a in args], check=True, capture_output=True, text=True,
-                          **kw)
+# ---- the receiver and the relay that counts its traffic -------------------------------------
+
+class Receiver:
+    """`mountfs serve-mirror STORE` on a free loopback port."""
+
+    def __init__(self, store: Path, token_file: Path, chunk_size: str = "1M"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [VENV_BIN / "mountfs", "serve-mirror", store, "--listen", f"127.0.0.1:{self.port}",
+             "--token-file", token_file, "--chunk-size", chunk_size],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port, self.proc)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
 
 
 def free_port() -> int:
@@ -46,56 +68,141 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Receiver:
-    def __init__(self, store: Path, token_file: Path, chunk_size: str = "1M"):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([BIN / "mountfs", "serve-mirror", store, "--listen",
-                                      f"127.0.0.1:{self.port}", "--token-file", token_file,
-                                      "--chunk-size", chunk_size],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(300):
+def wait_for_port(port: int, proc: subprocess.Popen) -> None:
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"serve-mirror exited ({proc.returncode})")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit("serve-mirror did not start")
+
+
+class CountingRelay:
+    """A TCP relay to ``port`` that counts the bytes it carries both ways. A byte is counted
+    before it is passed on, so once a client has its reply the count includes it."""
+
+    def __init__(self, port: int):
+        self.target = port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.count = 0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def take(self) -> int:
+        """Bytes carried since the last call."""
+        with self.lock:
+            n, self.count = self.count, 0
+        return n
+
+    def close(self) -> None:
+        self.server.close()
+
+    def _accept(self) -> None:
+        while True:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
+                client, _ = self.server.accept()
             except OSError:
-                time.sleep(0.1)
-        raise SystemExit("serve-mirror did not start")
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            done = threading.Semaphore(0)
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst, done), daemon=True).start()
+            threading.Thread(target=self._close_after, args=(client, upstream, done),
+                             daemon=True).start()
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+    def _pipe(self, src: socket.socket, dst: socket.socket, done) -> None:
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        try:
+            while n := src.recv_into(buf):
+                with self.lock:
+                    self.count += n
+                dst.sendall(view[:n])
+        except OSError:
+            pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            done.release()
+
+    @staticmethod
+    def _close_after(a: socket.socket, b: socket.socket, done) -> None:
+        done.acquire()
+        done.acquire()
+        a.close()
+        b.close()
 
 
-def build_tree(root: Path, files: int, total: int, rng: random.Random) -> None:
-    """FILES files in 100 directories; sizes from a few KiB to a few MiB (log-uniform),
-    scaled to about TOTAL bytes; 'big/' holds about half of the data."""
+# ---- the tree and its changes ---------------------------------------------------------------
+
+def build_tree(root: Path, files: int, total: int, rng: random.Random) -> tuple[int, int]:
+    """FILES files, log-uniform sizes from 1 KiB to 4 MiB scaled to about TOTAL bytes: every
+    other file goes to big/ until it holds half of TOTAL, the rest spread over 100
+    directories. Returns the bytes written, and those under big/."""
     sizes = [int(2 ** rng.uniform(10, 22)) for _ in range(files)]
     scale = total / sum(sizes)
     (root / "big").mkdir()
     for d in range(100):
         (root / f"d{d:02d}").mkdir()
-    placed = 0
+    in_big = written = 0
     for i, size in enumerate(sizes):
         size = max(1, int(size * scale))
-        where = root / "big" if placed < total // 2 and i % 2 == 0 else root / f"d{i % 100:02d}"
+        written += size
+        if i % 2 == 0 and in_big < total // 2:
+            where, in_big = root / "big", in_big + size
+        else:
+            where = root / f"d{i % 100:02d}"
         (where / f"f{i:06d}").write_bytes(rng.randbytes(size))
-        placed += size
+    return written, in_big
 
 
-def change_tree(root: Path, changed: int, rng: random.Random) -> None:
-    victims = sorted(p for p in root.rglob("f*") if p.parent.name != "big")[:changed]
-    for p in victims:                                   # rewrite 4 KiB in place
+def change_tree(root: Path, changed: int, rng: random.Random) -> int:
+    """Rewrite 4 KiB in place in CHANGED files outside big/, rename big/, append 8 MiB to the
+    largest file. Returns the bytes of the chunks these writes touched (each chunk's length
+    in the final file): what an incremental copy has to send, worked out from the writes."""
+    touched: dict[Path, set[int]] = {}
+    victims = sorted(p for d in root.glob("d*") for p in d.iterdir())[:changed]
+    for p in victims:
+        size = p.stat().st_size
+        off = rng.randrange(0, max(0, size - 4096) + 1)
         with open(p, "r+b") as h:
-            h.seek(rng.randrange(0, max(1, p.stat().st_size - 4096) + 1))
+            h.seek(off)
             h.write(rng.randbytes(4096))
-    os.rename(root / "big", root / "big-renamed")        # about half of all the data
-    largest = max(root.rglob("f*"), key=lambda p: p.stat().st_size)
+        touched.setdefault(p, set()).update(range(off // CHUNK, (off + 4095) // CHUNK + 1))
+    os.rename(root / "big", root / "big-renamed")
+    largest = max((p for d in [root / "big-renamed", *root.glob("d*")] for p in d.iterdir()),
+                  key=lambda p: p.stat().st_size)
+    old = largest.stat().st_size
     with open(largest, "ab") as h:
         h.write(rng.randbytes(8 << 20))
+    touched.setdefault(largest, set()).update(range(old // CHUNK, (old + (8 << 20) - 1)
+                                                    // CHUNK + 1))
+    return sum(min(CHUNK, p.stat().st_size - i * CHUNK)
+               for p, chunks in touched.items() for i in chunks)
 
+
+def diff_stat_bytes(mnt: Path, frm: str, to: str) -> int:
+    """`snapctl diff FROM TO --stat`: the bytes of the changed chunks of modified files plus
+    the sizes of created files."""
+    out = run(VENV_BIN / "snapctl", "-m", mnt, "diff", frm, to, "--stat").stdout
+    return sum(int(m) for m in re.findall(r"^(?:modify|create)\s+\d+ entries\s+(\d+) bytes",
+                                          out, re.MULTILINE))
+
+
+def du_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# ---- the two ways of copying ----------------------------------------------------------------
 
 def rsync(src: Path, dst: Path) -> tuple[float, int]:
+    """Seconds and "Total bytes sent" of `rsync -a --delete --stats SRC/ DST/`."""
     t = time.monotonic()
     out = run("rsync", "-a", "--delete", "--stats", f"{src}/", f"{dst}/").stdout
     seconds = time.monotonic() - t
@@ -103,95 +210,104 @@ def rsync(src: Path, dst: Path) -> tuple[float, int]:
     return seconds, sent
 
 
-def replicate(mnt: Path, url: str, token_file: Path, snapshot: str) -> dict:
-    """One cycle in this process, as the daemon runs it: Spark always (no small-transfer
-    shortcut), its session started once beforehand (see main)."""
-    sys.path.insert(0, str(TOP))
+def replicate(mnt: Path, mirror, snapshot: str) -> dict:
+    """One cycle in this process as the daemon runs it: Spark for every transfer (no
+    small-transfer shortcut), its session already started (see main)."""
     from mountfs.mount import find_mount
-    from replicator.client import HttpMirror
     from replicator.cycle import replicate as cycle
-    mirror = HttpMirror(url, token_file.read_text().strip())
     try:
         return cycle(find_mount(str(mnt)).store, mirror, snapshot).to_json()
     finally:
         mirror.close()
 
 
-def changed_chunk_bytes(store: Path, frm: str, to: str) -> int:
-    sys.path.insert(0, str(TOP))
-    from mountfs import snapshots
-    from mountfs.store import Store
-    from replicator import changeset
-    s = Store.open(store, readonly=True, lock=False)
-    try:
-        with s.read() as txn:
-            epochs = {x.name: x.epoch for x in snapshots.list_all(txn, s.db)}
-            cs = changeset.build(txn, s.db, s.chunk_size, epochs[frm], epochs[to])
-        return sum(v[1] for leaves in cs.chunks.values() for v in leaves.values() if v)
-    finally:
-        s.close()
+def http(url: str):
+    from replicator.client import HttpMirror
+    return HttpMirror(url, TOKEN)
 
 
-def verify_wire(mnt: Path, url: str, token: str) -> tuple[float, int]:
-    """snapctl verify's time, and the bytes its requests and replies carry (counted by
-    running the same verify in-process through an httpx client that tallies bodies)."""
-    t = time.monotonic()
-    run(BIN / "snapctl", "-m", mnt, "verify", "--mirror", url, "--token-file", token)
-    cli_seconds = time.monotonic() - t
-    sys.path.insert(0, str(TOP))
-    from mountfs.mount import find_mount
-    from replicator import client
-    from replicator.verify import verify
-    counted = [0]
-    real = client._call
-
-    def counting(c, method, path, body=None):
-        res = real(c, method, path, body)
-        counted[0] += len(body or b"") + len(res.content)
-        return res
-    client._call = counting
-    mirror = client.HttpMirror(url, TOKEN)
-    try:
-        t = time.monotonic()
-        result = verify(find_mount(str(mnt)).store, mirror)
-        seconds = time.monotonic() - t
-    finally:
-        mirror.close()
-        client._call = real
-    assert result.clean, result.to_json()
-    return min(cli_seconds, seconds), counted[0]
+def local(path: Path):
+    from replicator.endpoints import LocalMirror
+    return LocalMirror(path, CHUNK)
 
 
-def chunk_heavy_store(work: Path, leaves: int) -> Path:
-    """A mounted store whose snapshot holds LEAVES chunk leaves (files of 64 KiB chunks, the
-    same 4 KiB of data in every chunk: the mirror's chunk maps, not its data, are large)."""
-    sys.path.insert(0, str(TOP))
+# ---- verify of a mirror of many chunk leaves ------------------------------------------------
+
+def chunk_heavy_store(store: Path, leaves: int) -> None:
+    """A store whose snapshot 'full' holds LEAVES chunk leaves: files of 10,000 64 KiB chunks,
+    all with the same 64 KiB of data (the chunk maps are large, the data is one blob)."""
     from mountfs import schema as S
     from mountfs import snapshots
     from mountfs.namespace import Live
     from mountfs.store import Store
     import blake3
-    store = work / "chunky"
-    Store.mkfs(store, 64 << 10)
-    data = os.urandom(4096)
+    run(VENV_BIN / "mountfs", "mkfs", "--chunk-size", "64K", store)
+    data = os.urandom(64 << 10)
     digest = blake3.blake3(data).digest()
     s = Store.open(store)
-    per_file, done, i = 10_000, 0, 0
-    while done < leaves:
+    try:
+        done, i = 0, 0
+        while done < leaves:
+            n = min(10_000, leaves - done)
+            with s.write() as txn:
+                live = Live(txn, s.db, snapshots.live_epoch(txn, s.db), s.chunk_size)
+                ino, _ = live.create(S.ROOT_INO, f"file{i}".encode(), stat.S_IFREG | 0o644, 0, 0)
+                for idx in range(n):
+                    live.put_chunk(ino, idx, digest, data)
+                live.save(ino, live.get(ino).evolve(size=n * (64 << 10)))
+            done, i = done + n, i + 1
         with s.write() as txn:
-            live = Live(txn, s.db, snapshots.live_epoch(txn, s.db), s.chunk_size)
-            ino, _ = live.create(S.ROOT_INO, f"file{i}".encode(), stat.S_IFREG | 0o644, 0, 0)
-            n = min(per_file, leaves - done)
-            for idx in range(n):
-                live.put_chunk(ino, idx, digest, data)
-            live.save(ino, live.get(ino).evolve(size=(n - 1) * (64 << 10) + 4096))
-        done += n
-        i += 1
-    with s.write() as txn:
-        snapshots.create(txn, s.db, "full")
-    s.close()
-    return store
+            snapshots.create(txn, s.db, "full")
+    finally:
+        s.close()
 
+
+def timed_cli(*args) -> float:
+    t = time.monotonic()
+    run(*args)
+    return time.monotonic() - t
+
+
+def bench_verify(work: Workdir, token: Path, leaves: int) -> dict:
+    """`snapctl verify` against a receiver holding a copy of a LEAVES-leaf snapshot: its
+    time (command included, against `snapctl list` as the command's own start-up), the
+    same verify in-process, and the bytes on the wire."""
+    from mountfs.mount import find_mount
+    from replicator.verify import verify
+    store, mnt = work.path / "chunky", work.path / "cmnt"
+    t = time.monotonic()
+    chunk_heavy_store(store, leaves)
+    build = time.monotonic() - t
+    mnt.mkdir()
+    mount(work, store, mnt)
+    receiver = Receiver(work.path / "cmirror", token, "64K")
+    relay = CountingRelay(receiver.port)
+    try:
+        replicate(mnt, http(receiver.url), "full")
+        relay.take()
+        cli = [VENV_BIN / "snapctl", "-m", mnt]
+        runs = [timed_cli(*cli, "verify", "--mirror", relay.url, "--token-file", token)
+                for _ in range(3)]
+        wire = relay.take() // 3
+        startup = min(timed_cli(*cli, "list") for _ in range(3))
+        mirror = http(receiver.url)
+        try:
+            t = time.monotonic()
+            result = verify(find_mount(str(mnt)).store, mirror)
+            inproc = time.monotonic() - t
+        finally:
+            mirror.close()
+        if not result.clean:
+            raise SystemExit(f"verify found differences: {result.to_json()}")
+    finally:
+        relay.close()
+        receiver.stop()
+        umount(work, mnt)
+    return {"chunk_leaves": leaves, "build_seconds": build, "cli_seconds": sorted(runs)[1],
+            "cli_startup_seconds": startup, "in_process_seconds": inproc, "wire_bytes": wire}
+
+
+# ---- the run --------------------------------------------------------------------------------
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -200,97 +316,134 @@ def main() -> None:
     ap.add_argument("--changed", type=int, default=1000)
     ap.add_argument("--verify-chunks", type=int, default=1_000_000)
     ap.add_argument("--workdir", default="/var/tmp")
-    ap.add_argument("--quick", action="store_true", help="5,000 files, 100 MiB, 100k chunks")
+    ap.add_argument("--quick", action="store_true",
+                    help="5,000 files, 100 MiB, 100 changed, 100,000 chunk leaves")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.quick:
         args.files, args.total_mib, args.changed, args.verify_chunks = 5000, 100, 100, 100_000
+    results = Results("bench_replicate", vars(args))
+    with Workdir(args.workdir, "bench-repl") as work:
+        results.add("machine_start", machine_info(work.path))
+        print(results.data["results"]["machine_start"])
+        run_all(work, args, results)
+        results.add("machine_end", machine_info(work.path))
+        print(results.data["results"]["machine_end"])
+    if args.json:
+        results.write(args.json)
+
+
+def run_all(work: Workdir, args, results: Results) -> None:
     rng = random.Random(42)
-    work = Path(tempfile.mkdtemp(prefix="bench-repl-", dir=args.workdir))
-    token = work / "token"
+    token = work.path / "token"
     token.write_text(TOKEN)
-    store, mnt, plain = work / "store", work / "mnt", work / "plain"
+    store, mnt, plain = work.path / "store", work.path / "mnt", work.path / "plain"
     mnt.mkdir()
     plain.mkdir()
-    run(BIN / "mountfs", "mkfs", store)
-    run(BIN / "mountfs", "mount", store, mnt)
-    receiver = None
-    results: dict = {"files": args.files, "total_mib": args.total_mib}
+    run(VENV_BIN / "mountfs", "mkfs", "--chunk-size", "1M", store)
+    mount(work, store, mnt)
+    snapctl = [VENV_BIN / "snapctl", "-m", mnt]
+
+    t = time.monotonic()
+    total, big = build_tree(mnt, args.files, args.total_mib << 20, rng)
+    build = time.monotonic() - t
+    results.add("build", {"seconds": build, "bytes": total, "big_bytes": big})
+    print(f"tree written through the mount: {args.files} files, {total / MB:.0f} MB in "
+          f"{build:.1f} s ({args.files / build:.0f} files/s, {total / MB / build:.1f} MB/s)")
+    run(*snapctl, "create", "s1")
+
+    from replicator import transfer
+    t = time.monotonic()
+    transfer.spark_session()                  # once per process, as in the daemon
+    results.add("spark_start_seconds", time.monotonic() - t)
+    print(f"Spark session start-up (once per daemon): {time.monotonic() - t:.1f} s")
+
+    receiver = Receiver(work.path / "mirror", token)
+    relay = CountingRelay(receiver.port)
     try:
-        t = time.monotonic()
-        build_tree(mnt, args.files, args.total_mib << 20, rng)
-        results["build_seconds"] = time.monotonic() - t
-        run(BIN / "snapctl", "-m", mnt, "create", "s1")
-        receiver = Receiver(work / "mirror", token)
-        sys.path.insert(0, str(TOP))
-        from replicator import transfer
-        t = time.monotonic()
-        transfer.spark_session()                      # once per process, like the daemon
-        results["spark_start_seconds"] = time.monotonic() - t
-        print(f"Spark session start-up (once per daemon): {results['spark_start_seconds']:.1f} s")
-        first = replicate(mnt, receiver.url, token, "s1")
+        first = replicate(mnt, http(receiver.url), "s1")
         r1 = rsync(mnt / ".snapshot/s1", plain)
-        change_tree(mnt, args.changed, rng)
-        run(BIN / "snapctl", "-m", mnt, "create", "s2")
-        changed = changed_chunk_bytes(store, "s1", "s2")
-        second = replicate(mnt, receiver.url, token, "s2")
+        f1 = replicate(mnt, local(work.path / "fmirror"), "s1")
+        expected = change_tree(mnt, args.changed, rng)
+        run(*snapctl, "create", "s2")
+        changed = diff_stat_bytes(mnt, "s1", "s2")
+        relay.take()
+        second = replicate(mnt, http(relay.url), "s2")
+        second["wire_bytes"] = relay.take()
         r2 = rsync(mnt / ".snapshot/s2", plain)
-        results.update(first=first, second=second, rsync_first=r1, rsync_second=r2,
-                       changed_chunk_bytes=changed)
-        total = args.total_mib << 20
-        rows = [
-            ("first copy s", first["seconds"], r1[0], r1[0] / first["seconds"],
-             "replicate >= 0.5x rsync throughput", r1[0] / first["seconds"] >= 0.5),
-            ("first copy bytes sent", first["bytes_sent"], r1[1], r1[1] / max(1, first["bytes_sent"]),
-             "", True),
-            ("incremental s", second["seconds"], r2[0], r2[0] / second["seconds"],
-             ">= 10x faster than rsync", r2[0] / second["seconds"] >= 10),
-            ("incremental bytes sent", second["bytes_sent"], r2[1],
-             r2[1] / max(1, second["bytes_sent"]), "<= 1.1x changed chunk bytes",
-             second["bytes_sent"] <= 1.1 * changed),
-        ]
-        receiver.stop()
-        receiver = None
-        print(f"{args.files} files, {total >> 20} MiB; changed chunk bytes {changed}")
-        print(f"{'figure':<24} {'replicate':>12} {'rsync':>12} {'ratio':>8}  target")
-        for name, mine, theirs, ratio, target, ok in rows:
-            print(f"{name:<24} {mine:>12.6g} {theirs:>12.6g} {ratio:>8.2f}  {target}"
-                  f"{'' if not target else (' PASS' if ok else ' MISS')}")
-        # the directory rename alone
-        run(BIN / "snapctl", "-m", mnt, "create", "s3")
+        f2 = replicate(mnt, local(work.path / "fmirror"), "s2")
+
+        run(*snapctl, "create", "s3")
+        moved = du_bytes(mnt / "big-renamed")
         os.rename(mnt / "big-renamed", mnt / "big-again")
-        run(BIN / "snapctl", "-m", mnt, "create", "s4")
-        receiver = Receiver(work / "mirror", token)
-        replicate(mnt, receiver.url, token, "s3")
-        rename = replicate(mnt, receiver.url, token, "s4")
-        results["rename_only"] = rename
-        print(f"rename of a directory holding ~{total >> 21} MiB: {rename['bytes_sent']} bytes "
-              f"sent, {rename['seconds']:.2f} s  (target < 1 MiB: "
-              f"{'PASS' if rename['bytes_sent'] < 1 << 20 else 'MISS'})")
-        receiver.stop()
-        receiver = None
-        # verify of a mirror holding many chunk leaves
-        chunky = chunk_heavy_store(work, args.verify_chunks)
-        cmnt = work / "cmnt"
-        cmnt.mkdir()
-        run(BIN / "mountfs", "mount", chunky, cmnt)
-        try:
-            receiver = Receiver(work / "cmirror", token, "64K")
-            replicate(cmnt, receiver.url, token, "full")
-            seconds, wire = verify_wire(cmnt, receiver.url, token)
-        finally:
-            run(BIN / "mountfs", "umount", cmnt)
-        results["verify"] = {"chunks": args.verify_chunks, "seconds": seconds, "wire_bytes": wire}
-        print(f"verify of a mirror with {args.verify_chunks} chunk leaves, nothing wrong: "
-              f"{seconds * 1000:.0f} ms, {wire} bytes on the wire (targets < 1 s, < 64 KiB: "
-              f"{'PASS' if seconds < 1 and wire < 64 << 10 else 'MISS'})")
+        run(*snapctl, "create", "s4")
+        replicate(mnt, http(relay.url), "s3")
+        relay.take()
+        rename = replicate(mnt, http(relay.url), "s4")
+        rename["wire_bytes"] = relay.take()
+        rename["moved_bytes"] = moved
     finally:
-        if receiver:
-            receiver.stop()
-        subprocess.run([BIN / "mountfs", "umount", mnt], capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        relay.close()
+        receiver.stop()
+    results.add("first", first)
+    results.add("second", second)
+    results.add("rsync_first", {"seconds": r1[0], "bytes_sent": r1[1]})
+    results.add("rsync_second", {"seconds": r2[0], "bytes_sent": r2[1]})
+    results.add("file_first", f1)
+    results.add("file_second", f2)
+    results.add("changed_chunk_bytes", {"diff_stat": changed, "from_writes": expected})
+    results.add("rename_only", rename)
+    umount(work, mnt)
+
+    ver = bench_verify(work, token, args.verify_chunks)
+    results.add("verify", ver)
+    report(args, total, big, first, second, r1, r2, f1, f2, changed, expected, rename, ver)
+
+
+def row(name, mine, base, ratio, target="", ok=None) -> list:
+    verdict = "" if ok is None else ("PASS" if ok else "MISS")
+    return [name, mine, base, f"{ratio:.2f}" if ratio is not None else "", target, verdict]
+
+
+def report(args, total, big, first, second, r1, r2, f1, f2, changed, expected, rename,
+           ver) -> None:
+    print(f"\n{args.files} files, {total / MB:.0f} MB ({big / MB:.0f} MB under big/); "
+          f"changed chunk bytes: {changed} (snapctl diff --stat), {expected} (worked out "
+          f"from the writes)")
+    rows = [
+        row("first copy, s (http)", f"{first['seconds']:.1f}", f"{r1[0]:.1f} rsync",
+            r1[0] / first["seconds"], "throughput >= 0.5x rsync's",
+            r1[0] / first["seconds"] >= 0.5),
+        row("first copy, bytes sent", first["bytes_sent"], f"{r1[1]} rsync",
+            first["bytes_sent"] / r1[1]),
+        row("first copy, s (file://)", f"{f1['seconds']:.1f}", f"{r1[0]:.1f} rsync",
+            r1[0] / f1["seconds"]),
+        row("incremental, s (http)", f"{second['seconds']:.2f}", f"{r2[0]:.1f} rsync",
+            r2[0] / second["seconds"], ">= 10x faster than rsync",
+            r2[0] / second["seconds"] >= 10),
+        row("incremental, chunk bytes sent", second["bytes_sent"], f"{changed} changed",
+            second["bytes_sent"] / changed),
+        row("incremental, bytes on the wire", second["wire_bytes"], f"{changed} changed",
+            second["wire_bytes"] / changed, "<= 1.1x changed chunk bytes",
+            second["wire_bytes"] <= 1.1 * changed),
+        row("incremental, rsync bytes sent", second["wire_bytes"], f"{r2[1]} rsync",
+            second["wire_bytes"] / r2[1]),
+        row("incremental, s (file://)", f"{f2['seconds']:.2f}", f"{r2[0]:.1f} rsync",
+            r2[0] / f2["seconds"]),
+        row("rename only, bytes on the wire", rename["wire_bytes"],
+            f"{rename['moved_bytes']} moved", rename["wire_bytes"] / rename["moved_bytes"],
+            "< 1 MiB", rename["wire_bytes"] < 1 << 20),
+        row("rename only, s (http)", f"{rename['seconds']:.2f}", "", None),
+        row(f"verify {ver['chunk_leaves']} leaves, s", f"{ver['cli_seconds']:.2f}",
+            f"{ver['cli_startup_seconds']:.2f} snapctl list",
+            ver["cli_seconds"] / ver["cli_startup_seconds"], "< 1 s",
+            ver["cli_seconds"] < 1),
+        row("verify, in-process s", f"{ver['in_process_seconds']:.3f}", "", None),
+        row("verify, bytes on the wire", ver["wire_bytes"], "", None, "< 64 KiB",
+            ver["wire_bytes"] < 64 << 10),
+    ]
+    print_table("replication (issue 4)", ["figure", "replicate", "baseline", "ratio",
+                                          "target", ""], rows)
 
 
 if __name__ == "__main__":
