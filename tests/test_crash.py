@@ -19,10 +19,10 @@ from pathlib import Path
 import blake3
 import lmdb
 import pytest
+from conftest import fsck_clean
 
 from mountfs import control
 from mountfs import schema as S
-from conftest import fsck_clean
 
 # ---- helpers ------------------------------------------------------------------------------
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import blake3
 import lmdb
 import pytest
+from conftest import cli, fsck_clean
 
 from mountfs import schema as S
-from conftest import cli, fsck_clean
 
 
 def fails_clearly(*args, code=1, contains="", cwd=None) -> str:
@@ -25,7 +25,7 @@ def fails_clearly(*args, code=1, contains="", cwd=None) -> str:
     tool, *rest = args
     module = {"mountfs": "mountfs.cli", "snapctl": "mountfs.snapctl"}[tool]
     res = subprocess.run([sys.executable, "-m", module, *map(str, rest)], capture_output=True,
-                         text=True, cwd=cwd, timeout=120)
+                         text=True, cwd=cwd, timeout=120, check=False)
     assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
     assert "Traceback" not in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
