@@ -147,10 +147,16 @@ def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0) -> 
     s.settimeout(timeout)
     try:
         s.connect(str(path))
-        s.sendall(json.dumps(payload).encode() + b"\n")
+        try:
+            s.sendall(json.dumps(payload).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass        # refused before our request was read: the refusal is read below
         buf = b""
         while not buf.endswith(b"\n"):
-            data = s.recv(1 << 16)
+            try:
+                data = s.recv(1 << 16)
+            except ConnectionResetError:
+                break
             if not data:
                 break
             buf += data

@@ -83,6 +83,11 @@ class Engine:
             if epoch is None:
                 # a read-only mount follows a store another process writes (a mirror)
                 epoch = self.store.live_epoch(txn) if self.store.readonly else self.live
+            elif txn.get(S.u64(epoch), db=self.db["snapepochs"]) is None:
+                # A snapshot deleted while the kernel still holds its inodes (an open file,
+                # a cwd): GC is reclaiming its versions, so what is left would read as holes
+                # or other epochs' data. Checked in the reading transaction: no race with GC.
+                raise FsError(errno.ESTALE)
             yield View(txn, self.db, epoch, self.chunk_size)
 
     def _run_write(self, fn, *args):

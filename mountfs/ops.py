@@ -378,7 +378,9 @@ class Operations(pyfuse3.Operations):
             fh = self._new_fh(Handle(inode, None, epoch, real, rec.size))
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         info = self._open_live(inode, rec.size)
-        if flags & os.O_TRUNC and rec.size:
+        # Always, even at stored size 0: another handle may hold buffered writes, and
+        # POSIX has O_TRUNC update mtime/ctime of an existing file even if it was empty.
+        if flags & os.O_TRUNC:
             of = self.handles[info.fh].of
             await self.engine.files.flush(of)
             await self._truncate(inode, 0)

@@ -274,6 +274,9 @@ def _copy(view: View, src: int, live: Live, parent: int, name: bytes, copied: di
     if stat.S_ISDIR(rec.mode):
         for child_name, child in list(view.listdir(src)):
             _copy(view, child, live, ino, child_name, copied)
+        # Linking the children set the copy's mtime to now; a restored directory keeps the
+        # snapshot's, as restored files do (its ctime says when it was restored).
+        live.save(ino, live.get(ino).evolve(mtime_ns=rec.mtime_ns))
     return ino
 
 

@@ -1,0 +1,305 @@
+"""`snapctl restore`: one file or tree brought back in place (--force over an existing path)
+or under another name (--to), the whole tree rolled back (refused without --force when the
+live tree changed since the snapshot), no chunk data copied, and the same offline.
+
+Path restores share one mount (each test in its own directory, with its own snapshots);
+rollbacks change the whole tree, so each has its own mount. Every store must pass fsck at
+the end (the fixtures check).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import blake3
+import pytest
+from conftest import Mount, cli, fsck_clean
+from diffapply import tree_state
+from test_snapshots import store_used, take, wait_gc_idle
+
+pytestmark = pytest.mark.fuse
+
+
+@pytest.fixture(scope="module")
+def fs(tmp_path_factory) -> Mount:
+    """One mount for the path restores; its store must pass fsck at the end."""
+    base = tmp_path_factory.mktemp("restorefs")
+    cli("mountfs", "mkfs", base / "store")
+    (base / "mnt").mkdir()
+    m = Mount(base / "store", base / "mnt").mount()
+    yield m
+    m.cleanup()
+    fsck_clean(m.store)
+
+
+@pytest.fixture
+def here(fs, request) -> Path:
+    """This test's own directory on the shared mount."""
+    d = fs.mnt / re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)
+    d.mkdir()
+    return d
+
+
+def rel(m: Mount, p: Path) -> str:
+    """``p`` relative to the filesystem root, as restore takes it."""
+    return str(p.relative_to(m.mnt))
+
+
+def restore(m: Mount, *args, check=True):
+    return m.snapctl("restore", *args, check=check)
+
+
+def refused(res, message: str) -> None:
+    assert (res.returncode, res.stdout, res.stderr) == (1, "", f"snapctl: {message}\n")
+
+
+def digest(p: Path) -> str:
+    h = blake3.blake3()
+    with open(p, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_tree(t: Path) -> int:
+    """Nested directories, symlinks, hard links inside the tree, xattrs, modes, owners, a
+    fifo, set times. Returns how many inodes it holds."""
+    (t / "a/b/c").mkdir(parents=True)
+    (t / "empty").mkdir()
+    (t / "a/b/c/deep").write_bytes(os.urandom(1_500_000))        # two chunks
+    (t / "a/file").write_text("file")
+    os.link(t / "a/file", t / "a/b/file-link")
+    os.link(t / "a/file", t / "file-link2")
+    os.symlink("a/b/c/deep", t / "sym")
+    os.symlink("/nowhere/at/all", t / "a/dangling")
+    os.setxattr(t / "a/file", "user.f", b"on a file")
+    os.setxattr(t / "a/b", "user.d", b"on a dir")
+    os.chmod(t / "a/b", 0o711)
+    os.chmod(t / "a/file", 0o604)
+    os.chown(t / "a/b/c/deep", 4321, 8765)
+    os.mkfifo(t / "a/fifo")
+    os.utime(t / "a/b/c/deep", ns=(7, 1_000_000_000_000_000_007))
+    os.utime(t / "a/b", ns=(8, 2_000_000_000))
+    os.utime(t / "a", ns=(9, 3_000_000_000))
+    return 10          # t, a, b, c, empty, deep, file (3 names), sym, dangling, fifo
+
+
+def mess_up(t: Path) -> None:
+    (t / "a/file").write_text("changed")
+    os.removexattr(t / "a/file", "user.f")
+    shutil.rmtree(t / "a/b")
+    os.unlink(t / "sym")
+    os.symlink("elsewhere", t / "sym")
+    os.chmod(t / "empty", 0o700)
+    (t / "empty/new").write_text("new")
+    (t / "added").write_text("added")
+
+
+# ---- one path ------------------------------------------------------------------------------
+
+def test_restore_a_file_needs_force_over_an_existing_one(fs, here):
+    f = here / "f"
+    f.write_text("good")
+    os.chmod(f, 0o640)
+    os.setxattr(f, "user.v", b"1")
+    os.utime(f, ns=(1, 1_234_567_890_123_456_789))
+    take(fs, "file")
+    snap_state = tree_state(fs.mnt / ".snapshot/file" / here.name)["f"]
+    f.write_text("bad!")
+    os.chmod(f, 0o600)
+    os.setxattr(f, "user.v", b"2")
+    os.setxattr(f, "user.extra", b"x")
+    live_state = tree_state(here)
+    path = rel(fs, f)
+    refused(restore(fs, "file", path, check=False), f"{path!r} exists; pass --force to replace it")
+    assert tree_state(here) == live_state                       # nothing changed
+    with open(f, "rb") as old:                                   # held across the restore
+        res = restore(fs, "file", path, "--force")
+        assert res.stdout == f"restored ./{path} from file to ./{path} (1 inodes)\n"
+        assert tree_state(here)["f"] == snap_state               # data, mode, xattrs, mtime
+        assert old.read() == b"bad!"                             # the replaced inode, still open
+    f.unlink()
+    restore(fs, "file", str(f))                                  # deleted: no --force needed;
+    assert tree_state(here)["f"] == snap_state                   # an absolute path works too
+
+
+def test_restore_a_tree_in_place(fs, here):
+    t = here / "t"
+    t.mkdir()
+    inodes = build_tree(t)
+    take(fs, "tree")
+    snap = fs.mnt / ".snapshot/tree" / here.name / "t"
+    frozen = tree_state(snap)
+    mess_up(t)
+    res = restore(fs, "tree", rel(fs, t), "--force")
+    assert res.stdout.endswith(f"({inodes} inodes)\n")
+    assert tree_state(t) == frozen                               # names, data, links, times...
+    assert os.stat(t / "a/file").st_nlink == 3
+    assert os.stat(t / "a/file").st_ino == os.stat(t / "file-link2").st_ino
+    assert tree_state(snap) == frozen                            # the snapshot is untouched
+    (t / "a/file").write_text("live again")                      # the copy is a live file
+    assert (t / "file-link2").read_text() == "live again"
+    assert (snap / "a/file").read_text() == "file"
+
+
+def test_restore_to_another_path(fs, here):
+    t = here / "t"
+    t.mkdir()
+    build_tree(t)
+    os.link(t / "a/file", here / "outside")                      # a link from outside the tree
+    take(fs, "to")
+    snap = fs.mnt / ".snapshot/to" / here.name / "t"
+    mess_up(t)
+    live = tree_state(t)
+    live_inos = {p: os.lstat(t / p).st_ino for p in live}
+    dest = here / "t-back"
+    restore(fs, "to", rel(fs, t), "--to", rel(fs, dest))
+    want = tree_state(snap)
+    want["a/file"].pop("link_group")                             # 4 links there, 3 in the copy
+    got = tree_state(dest)
+    assert got.pop("a/file")["link_group"] == got["a/b/file-link"]["link_group"]
+    want.pop("a/file")
+    assert got == want
+    assert os.stat(dest / "a/file").st_nlink == 3
+    assert (here / "outside").read_text() == "changed"          # still the live inode
+    assert tree_state(t) == live                                 # the original is untouched
+    assert {p: os.lstat(t / p).st_ino for p in live} == live_inos
+    # DEST exists: --force, or nothing happens
+    (dest / "a/file").write_text("the copy changed")
+    before = tree_state(dest)
+    refused(restore(fs, "to", rel(fs, t), "--to", rel(fs, dest), check=False),
+            f"{rel(fs, dest)!r} exists; pass --force to replace it")
+    assert tree_state(dest) == before
+    restore(fs, "to", rel(fs, t), "--to", rel(fs, dest), "--force")
+    assert (dest / "a/file").read_text() == "file"
+
+
+def test_restore_errors(fs, here):
+    (here / "f").write_text("x")
+    take(fs, "err")
+    p = rel(fs, here / "f")
+    refused(restore(fs, "err", rel(fs, here / "missing"), check=False),
+            f"{rel(fs, here / 'missing')!r} does not exist in snapshot 'err'")
+    refused(restore(fs, "err", p, "--to", rel(fs, here / "no/such/dir"), check=False),
+            f"the parent directory of {rel(fs, here / 'no/such/dir')!r} does not exist")
+    refused(restore(fs, "err", p, "--to", f"{p}/under-a-file", check=False),
+            f"the parent of '{p}/under-a-file' is not a directory")
+    refused(restore(fs, "err", p, "--to", ".", "--force", check=False),
+            "cannot restore over the root by path; use 'snapctl restore NAME' to roll the "
+            "whole tree back")
+    refused(restore(fs, "err", "--to", "x", check=False), "--to needs a PATH to restore")
+    assert os.listdir(here) == ["f"]
+
+
+def test_restore_copies_no_chunk_data(fs, here):
+    """A 50 MiB file comes back (--to, and over a rewritten original) with the store's own
+    use (statfs: blocks - free) grown by metadata only; the copies keep their data after the
+    snapshot is deleted and reclaimed (the chunks are shared by reference count)."""
+    big = here / "big"
+    big.write_bytes(os.urandom(50 << 20))
+    want = digest(big)
+    take(fs, "share")
+    with open(big, "r+b") as f:                                  # one chunk rewritten
+        f.write(b"new data")
+    wait_gc_idle(fs)
+    used0 = store_used(fs)
+    restore(fs, "share", rel(fs, big), "--to", rel(fs, here / "copy"))
+    restore(fs, "share", rel(fs, big), "--force")
+    assert store_used(fs) - used0 < 1 << 20                      # 2 x 50 MiB restored
+    assert digest(here / "copy") == digest(big) == want
+    fs.snapctl("delete", "share")
+    wait_gc_idle(fs)
+    assert digest(here / "copy") == digest(big) == want
+
+
+# ---- the whole tree ------------------------------------------------------------------------
+
+def test_rollback_refused_without_force_when_the_live_tree_changed(make_mount):
+    """The rule (snapshots.rollback): the root's mepoch, i.e. anything committed since the
+    snapshot, even if it was undone since; later snapshots alone do not count."""
+    m = make_mount()
+    (m.mnt / "f").write_text("one")
+    m.snapctl("create", "s1")
+    m.snapctl("create", "s2")                                    # nothing changed in between
+    assert restore(m, "s1").stdout == "rolled back to s1 (0 inodes changed)\n"
+    (m.mnt / "f").write_text("two")
+    (m.mnt / "f").write_text("one")                              # undone, but it changed
+    state = tree_state(m.mnt)
+    refused(restore(m, "s1", check=False), "the live tree has changed since snapshot 's1'; "
+            "pass --force to discard those changes (take a snapshot first to keep them)")
+    assert tree_state(m.mnt) == state
+    (m.mnt / "g").write_text("new")
+    restore(m, "s1", "--force")
+    assert tree_state(m.mnt) == tree_state(m.mnt / ".snapshot/s1")
+    assert sorted(os.listdir(m.mnt)) == ["f"]
+
+
+def test_rollback_with_force_and_what_follows(make_mount):
+    m = make_mount()
+    t = m.mnt / "t"
+    t.mkdir()
+    build_tree(t)
+    (m.mnt / "top").write_text("top v1")
+    kept_ino = os.stat(t / "a/file").st_ino
+    m.snapctl("create", "s1")
+    s1_state = tree_state(m.mnt / ".snapshot/s1")
+    mess_up(t)
+    (m.mnt / "top").write_text("top v2")
+    os.rename(t / "a", m.mnt / "a-moved")
+    m.snapctl("create", "s2")
+    (m.mnt / "after-s2").write_text("lost by the rollback")
+    s2_state = tree_state(m.mnt / ".snapshot/s2")
+    diff_before = m.snapctl("diff", "s1", "s2").stdout
+    assert (m.mnt / "top").read_text() == "top v2"               # in the kernel's page cache
+    restore(m, "s1", "--force")
+    assert tree_state(m.mnt) == s1_state                         # the whole tree, exactly
+    assert (m.mnt / "top").read_text() == "top v1"               # not a stale cached page
+    assert os.stat(t / "a/file").st_ino == kept_ino              # identities are kept
+    # later snapshots stay, unchanged, and still compare
+    assert sorted(os.listdir(m.mnt / ".snapshot")) == ["s1", "s2"]
+    assert tree_state(m.mnt / ".snapshot/s2") == s2_state
+    assert m.snapctl("diff", "s1", "s2").stdout == diff_before
+    # life goes on: write, snapshot, diff against the rolled-back state
+    (m.mnt / "after").write_text("life goes on")
+    (t / "a/file").write_text("edited")
+    m.snapctl("create", "s3")
+    report = m.snapctl("diff", "s1", "s3").stdout.splitlines()
+    assert report[:2] == ["M .", "+ ./after"] and len(report) == 3
+    assert report[2] in ("M ./t/a/file", "M ./t/a/b/file-link", "M ./t/file-link2")  # one name
+    assert (m.mnt / ".snapshot/s3/t/a/b/file-link").read_text() == "edited"
+    live = tree_state(m.mnt)
+    m.umount()
+    m.mount()
+    assert tree_state(m.mnt) == live
+    assert tree_state(m.mnt / ".snapshot/s1") == s1_state
+
+
+def test_restore_offline(make_mount):
+    """snapctl --store on the unmounted store: a file, a tree --to, a rollback (refused, then
+    forced); a snapshot taken offline in between keeps the path restores."""
+    m = make_mount()
+    (m.mnt / "f").write_text("one")
+    (m.mnt / "d").mkdir()
+    (m.mnt / "d/x").write_text("x")
+    m.snapctl("create", "s1")
+    (m.mnt / "f").write_text("two")
+    m.umount()
+
+    def offline(*args, check=True):
+        return cli("snapctl", "--store", m.store, *args, check=check)
+    refused(offline("restore", "s1", "f", check=False), "'f' exists; pass --force to replace it")
+    assert offline("restore", "s1", "f", "--force").stdout == \
+        "restored ./f from s1 to ./f (1 inodes)\n"
+    offline("restore", "s1", "d", "--to", "d2")
+    offline("create", "s2")
+    refused(offline("restore", "s1", check=False), "the live tree has changed since snapshot "
+            "'s1'; pass --force to discard those changes (take a snapshot first to keep them)")
+    assert offline("restore", "s1", "--force").stdout.startswith("rolled back to s1 (")
+    m.mount()
+    assert tree_state(m.mnt) == tree_state(m.mnt / ".snapshot/s1")
+    s2 = m.mnt / ".snapshot/s2"
+    assert sorted(os.listdir(s2)) == ["d", "d2", "f"]
+    assert (s2 / "f").read_text() == "one" and (s2 / "d2/x").read_text() == "x"
