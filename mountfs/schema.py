@@ -69,6 +69,10 @@ from dataclasses import dataclass, replace
 FORMAT_VERSION = 2
 MAX_EPOCH = 2**64 - 1
 ROOT_INO = 1
+# Store inode numbers are below 2**40: far below the mount's virtual range (2**62 and up,
+# where snapshot views are numbered), so every number that enters from outside (a mirror's
+# commit, a promoted mirror's counter) can be checked against one bound.
+MAX_INO = (1 << 40) - 1
 DIGEST_SIZE = 32
 NAME_MAX = 255
 
