@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import click
-import trio
 
-from .config import ConfigError, load
-from .service import serve
+from mountfs.clitools import CONTEXT, OneLineCommand, fail, version_option
+
+from .config import Config, ConfigError, load
 
 CONFIG_DIR = "/etc/mountfs"
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=OneLineCommand, context_settings=CONTEXT)
 @click.argument("name", required=False)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help=f"The config file (default: {CONFIG_DIR}/NAME.toml).")
-@click.option("--check", is_flag=True, help="Check the config and exit.")
+@click.option("--check", is_flag=True, help="Check the config (and that its token files "
+              "and mountpoints exist) and exit.")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages.")
+@version_option("mountfsd")
 def main(name, config_path, check, verbose):
     """Snapshot mountfs filesystems continuously and keep their mirrors up to date.
 
@@ -28,27 +31,51 @@ def main(name, config_path, check, verbose):
     that mirror's base, however many snapshots it missed), prune by the retention policies,
     and publish the lag ('snapctl status', Prometheus, systemd STATUS). SIGHUP reloads the
     config; SIGTERM finishes or aborts the cycle in flight and exits."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)
+    setup_logging(verbose)
     if config_path is None:
         if name is None:
             raise click.UsageError("give NAME (for /etc/mountfs/NAME.toml) or --config PATH")
         config_path = f"{CONFIG_DIR}/{name}.toml"
     try:
         cfg = load(config_path)
+        if check:
+            check_paths(cfg)
     except ConfigError as e:
-        click.echo(f"mountfsd: {e}", err=True)
-        sys.exit(2)
+        fail(str(e), 2)
     if check:
         click.echo(f"{config_path}: ok ({len(cfg.filesystems)} filesystem(s))")
         return
+    import trio
+
+    from .service import serve
     try:
         trio.run(serve, config_path)
     except ConfigError as e:
-        click.echo(f"mountfsd: {e}", err=True)
-        sys.exit(2)
+        fail(str(e), 2)
+
+
+def setup_logging(verbose: bool) -> None:
+    """The daemon's own lines; at INFO one line per cycle, not one per HTTP request."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
+def check_paths(cfg: Config) -> None:
+    """What the config names on this host must exist, or the daemon would retry forever."""
+    for fs in cfg.filesystems:
+        if not os.path.isdir(fs.mountpoint):
+            raise ConfigError(f"{cfg.path}: filesystem {fs.name!r}: mountpoint "
+                              f"{fs.mountpoint} does not exist or is not a directory")
+        for m in fs.mirrors:
+            for key in ("token_file", "ca_file"):
+                path = getattr(m, key)
+                if path is not None and not os.access(path, os.R_OK):
+                    raise ConfigError(f"{cfg.path}: mirror {m.url}: {key} {path} does not "
+                                      f"exist or cannot be read")
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="mountfsd")

@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import click
 
+from mountfs.clitools import CONTEXT, DURATION, fail, mountpoint_option
 from mountfs.mount import find_mount
 from mountfs.store import StoreError
 
@@ -19,21 +20,23 @@ from . import config as config_mod
 from .status import daemon_alive, read_state, state_path, store_figures
 
 DEFAULT_STATE_DIR = "/run/mountfs"
+UNKNOWN = 3                  # Nagios: the check could not run
 
 
-def _fail(msg: str, code: int = 1):
-    click.echo(f"snapctl: {msg}", err=True)
-    sys.exit(code)
+class CannotRun(Exception):
+    """What keeps status/check/prune from running at all (no config, not in a mount)."""
 
 
 def _filesystems(ctx, config_path: str | None):
-    """(name, mountpoint, store, mirror urls, state file, fs config) for each filesystem:
-    from --config, else the one given by -m / the current directory."""
+    """(name, mountpoint, store, configured mirror urls, state file, fs config) for each
+    filesystem: from --config, else the one given by -m / the current directory (its
+    configured mirrors then come from the daemon's status file; without one, every mirror
+    the store holds a base for counts)."""
     if config_path:
         try:
             cfg = config_mod.load(config_path)
         except config_mod.ConfigError as e:
-            _fail(str(e), 2)
+            raise CannotRun(str(e)) from None
         out = []
         for fs in cfg.filesystems:
             info = find_mount(fs.mountpoint)
@@ -43,16 +46,18 @@ def _filesystems(ctx, config_path: str | None):
     where = ctx.obj.get("mountpoint") or os.getcwd()
     info = find_mount(where)
     if info is None:
-        _fail(f"{where} is not in a mountfs filesystem; use -m MOUNTPOINT or --config FILE", 2)
+        raise CannotRun(f"{where} is not in a mountfs filesystem; use -m MOUNTPOINT or "
+                        f"--config FILE")
     state_dir = os.environ.get("MOUNTFS_STATE_DIR", DEFAULT_STATE_DIR)
-    state_file = next((p for p in sorted(_json_files(state_dir))
-                       if (read_state(p) or None) and read_state(p).mountpoint ==
-                       info.mountpoint), None)
-    name = os.path.basename(info.mountpoint)
-    return [(name, info.mountpoint, info.store, [], state_file, None)]
+    for path in sorted(_json_files(state_dir)):
+        state = read_state(path)
+        if state is not None and state.mountpoint == info.mountpoint:
+            return [(state.filesystem, info.mountpoint, info.store, state.configured, path,
+                     None)]
+    return [(os.path.basename(info.mountpoint), info.mountpoint, info.store, None, None, None)]
 
 
-def _json_files(state_dir: str):
+def _json_files(state_dir: str) -> list[str]:
     try:
         return [os.path.join(state_dir, n) for n in os.listdir(state_dir) if n.endswith(".json")]
     except OSError:
@@ -62,12 +67,11 @@ def _json_files(state_dir: str):
 def _report(name, mountpoint, store, urls, state_file) -> dict:
     state = read_state(state_file) if state_file else None
     out = {"filesystem": name, "mountpoint": mountpoint, "mounted": store is not None,
-           "daemon": None, "newest": None, "mirrors": {}}
+           "daemon": None, "newest": None, "mirrors": {}, "other_mirrors": {}}
     if state is not None:
         out["daemon"] = {"pid": state.pid, "running": daemon_alive(state),
                          "updated_ns": state.updated_ns, "last_snapshot": state.last_snapshot,
                          "last_error": state.last_error}
-        urls = list(dict.fromkeys(urls + list(state.mirrors)))
     if store is None:
         return out
     figures = store_figures(store, urls)
@@ -75,8 +79,9 @@ def _report(name, mountpoint, store, urls, state_file) -> dict:
     for url, f in figures.mirrors.items():
         entry = asdict(f)
         if state is not None and url in state.mirrors:
-            entry.update({k: v for k, v in asdict(state.mirrors[url]).items()})
+            entry.update(asdict(state.mirrors[url]))
         out["mirrors"][url] = entry
+    out["other_mirrors"] = {url: asdict(f) for url, f in figures.others.items()}
     return out
 
 
@@ -84,18 +89,25 @@ def _ago(ns: int | None) -> str:
     return "never" if not ns else f"{(time.time_ns() - ns) / 1e9:.0f} s ago"
 
 
-@click.command()
+def _mirror_line(url: str, m: dict) -> str:
+    lag = "never replicated" if m["lag_seconds"] is None else f"lag {m['lag_seconds']:.0f} s"
+    return (f"  {url}: base {m['base']}, {lag}, pending {m['pending_bytes']} bytes in "
+            f"{m['pending_snapshots']} snapshot(s)")
+
+
+@click.command(context_settings=CONTEXT)
+@mountpoint_option
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="The daemon's config (default: the filesystem of -m or the current dir).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per filesystem.")
 @click.pass_context
 def status(ctx, config_path, as_json):
-    """Replication state: per mirror the base, the lag, pending data, the last cycle and the
-    last error."""
+    """Replication state: per configured mirror the base, the lag, pending data, the last
+    cycle and the last error; mirrors replicated to by hand but not configured apart."""
     try:
         reports = [_report(*fs[:5]) for fs in _filesystems(ctx, config_path)]
-    except StoreError as e:
-        _fail(str(e), 2)
+    except (CannotRun, StoreError) as e:
+        fail(str(e), 2)
     for r in reports:
         if as_json:
             click.echo(json.dumps(r))
@@ -109,10 +121,7 @@ def status(ctx, config_path, as_json):
         if d and d["last_error"]:
             click.echo(f"  error: {d['last_error']}")
         for url, m in r["mirrors"].items():
-            lag = "never replicated" if m["lag_seconds"] is None else \
-                f"lag {m['lag_seconds']:.0f} s"
-            click.echo(f"  {url}: base {m['base']}, {lag}, pending {m['pending_bytes']} bytes "
-                       f"in {m['pending_snapshots']} snapshot(s); last success "
+            click.echo(f"{_mirror_line(url, m)}; last success "
                        f"{_ago(m.get('last_success_ns'))}")
             if m.get("last_cycle"):
                 c = m["last_cycle"]
@@ -120,43 +129,67 @@ def status(ctx, config_path, as_json):
                            f"sent, {c['seconds']:.1f} s")
             if m.get("last_error"):
                 click.echo(f"    last error ({_ago(m['last_error_ns'])}): {m['last_error']}")
+        if r["other_mirrors"]:
+            click.echo("  not configured (their bases are kept; 'snapctl forget-mirror URL' "
+                       "drops one):")
+            for url, m in r["other_mirrors"].items():
+                click.echo("  " + _mirror_line(url, m))
 
 
-@click.command()
+@click.command(context_settings=CONTEXT)
+@mountpoint_option
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="The daemon's config, for its lag_warning / lag_critical thresholds.")
-@click.option("--warning", type=float, default=300.0, show_default=True,
-              help="Lag (s) that warns, without --config.")
-@click.option("--critical", type=float, default=3600.0, show_default=True,
-              help="Lag (s) that is critical, without --config.")
+@click.option("--warning", type=DURATION, default="5m", show_default=True,
+              help="Lag that warns, without --config (30s, 5m, 1h, or seconds).")
+@click.option("--critical", type=DURATION, default="1h", show_default=True,
+              help="Lag that is critical, without --config.")
 @click.pass_context
 def check(ctx, config_path, warning, critical):
-    """Nagios-style check of every mirror's lag: exit 0 OK, 1 WARNING, 2 CRITICAL."""
-    worst, lines = 0, []
+    """Nagios-style check of every configured mirror's lag: exit 0 OK, 1 WARNING,
+    2 CRITICAL, 3 UNKNOWN (the check could not run). The line names the mirrors over a
+    threshold first."""
     try:
-        for name, mp, store, urls, state_file, fs in _filesystems(ctx, config_path):
-            warn, crit = (fs.lag_warning, fs.lag_critical) if fs else (warning, critical)
-            r = _report(name, mp, store, urls, state_file)
-            if not r["mounted"]:
-                worst = 2
-                lines.append(f"{name}: not mounted")
-                continue
-            for url, m in r["mirrors"].items():
-                lag = m["lag_seconds"]
-                level = 2 if lag is None or lag >= crit else 1 if lag >= warn else 0
-                worst = max(worst, level)
-                lines.append(f"{name} -> {url}: " + ("never replicated" if lag is None
-                                                     else f"lag {lag:.0f}s"))
-            if not r["mirrors"]:
-                lines.append(f"{name}: no mirror")
-    except StoreError as e:
+        worst, lines = _check(ctx, config_path, warning, critical)
+    except (CannotRun, StoreError) as e:
         click.echo(f"UNKNOWN: {e}")
-        sys.exit(3)
+        sys.exit(UNKNOWN)
+    except Exception as e:        # a check that cannot run is UNKNOWN, never WARNING (1)
+        click.echo(f"UNKNOWN: internal error: {type(e).__name__}: {e}")
+        sys.exit(UNKNOWN)
     click.echo(f"{('OK', 'WARNING', 'CRITICAL')[worst]}: " + "; ".join(lines))
     sys.exit(worst)
 
 
-@click.command()
+def _check(ctx, config_path, warning, critical) -> tuple[int, list[str]]:
+    worst, over, fine = 0, [], []
+    for name, mp, store, urls, state_file, fs in _filesystems(ctx, config_path):
+        warn, crit = (fs.lag_warning, fs.lag_critical) if fs else (warning, critical)
+        r = _report(name, mp, store, urls, state_file)
+        if not r["mounted"]:
+            worst = 2
+            over.append(f"{name}: {mp} not mounted")
+            continue
+        for url, m in r["mirrors"].items():
+            lag = m["lag_seconds"]
+            level = 2 if lag is None or lag >= crit else 1 if lag >= warn else 0
+            worst = max(worst, level)
+            text = f"{name} -> {url}: " + ("never replicated" if lag is None
+                                          else f"lag {lag:.0f}s")
+            if lag is not None and level:
+                text += f" (over {'critical' if level == 2 else 'warning'} " \
+                        f"{crit if level == 2 else warn:.0f}s)"
+            (over if level else fine).append(text)
+        if not r["mirrors"]:
+            fine.append(f"{name}: no mirror")
+        if r["other_mirrors"]:
+            fine.append(f"{name}: {len(r['other_mirrors'])} mirror(s) not configured, "
+                        f"not checked")
+    return worst, over + fine
+
+
+@click.command(context_settings=CONTEXT)
+@mountpoint_option
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
               help="The daemon's config, holding the retention policies.")
 @click.option("--dry-run", is_flag=True, help="Only show what would go, and why the rest stays.")
@@ -166,12 +199,16 @@ def prune(ctx, config_path, dry_run):
     keeps it, and delete the others (never a mirror's base, never the newest)."""
     from mountfs import control
     from .service import local_decisions
-    for name, mp, store, _, _, fs in _filesystems(ctx, config_path):
+    try:
+        filesystems = _filesystems(ctx, config_path)
+    except CannotRun as e:
+        fail(str(e), 2)
+    for name, mp, store, _, _, fs in filesystems:
         if fs.retention is None:
             click.echo(f"{name}: no retention policy; nothing to prune")
             continue
         if store is None:
-            _fail(f"{name}: {mp} is not mounted", 2)
+            fail(f"{name}: {mp} is not mounted", 2)
         for d in local_decisions(store, fs):
             if d.keep:
                 click.echo(f"keep  {d.name}: {', '.join(d.reasons)}")
@@ -181,4 +218,4 @@ def prune(ctx, config_path, dry_run):
                 try:
                     control.request(store, {"op": "delete", "name": d.name})
                 except StoreError as e:
-                    _fail(str(e))
+                    fail(str(e))

@@ -15,13 +15,18 @@ snapshot_prefix = "auto-"           # names of the daemon's own snapshots
 retention = { hourly = 24, daily = 7, weekly = 4, monthly = 6 }
 lag_warning = "5m"                  # snapctl check thresholds
 lag_critical = "1h"
-spark_threshold = 16777216          # bytes sent without starting Spark (0: always Spark)
+stall_timeout = "5m"                # cancel a transfer that makes no progress this long
+spark_threshold = "16M"             # sent without starting Spark (0: always Spark)
 
 [[filesystem.mirror]]
 url = "http://backup:8765"
 token_file = "/etc/mountfs/token"
+ca_file = "/etc/mountfs/mirror-ca.pem"   # https: trust only this CA (a self-signed receiver)
 retention = { daily = 30, monthly = 12 }
 ```
+
+Durations take ms, s, m, h, d, w (or a number of seconds), sizes K, M, G (or a number of
+bytes): the same parsers as the command lines (``mountfs.units``).
 
 Every error names the key and its line: ``config.toml:12: filesystem[0].min_interval: ...``.
 """
@@ -33,10 +38,9 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .retention import Policy, PolicyError, parse_policy
+from mountfs.units import parse_duration, parse_size
 
-DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
-UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+from .retention import Policy, PolicyError, parse_policy
 
 
 class ConfigError(Exception):
@@ -144,7 +148,7 @@ class _Checker:
             lag_warning=self.duration(raw, where, "lag_warning", 300.0),
             lag_critical=self.duration(raw, where, "lag_critical", 3600.0),
             stall_timeout=self.duration(raw, where, "stall_timeout", 300.0),
-            spark_threshold=self.count(raw, where, "spark_threshold", 16 << 20))
+            spark_threshold=self.size(raw, where, "spark_threshold", 16 << 20))
         if fs.max_interval < fs.min_interval:
             self.fail(where, "max_interval", "must not be shorter than min_interval")
         if fs.lag_critical < fs.lag_warning:
@@ -183,22 +187,17 @@ class _Checker:
             self.fail(where, key, "expected a non-empty string")
         return raw[key]
 
-    def count(self, raw, where, key, default: int) -> int:
-        value = raw.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            self.fail(where, key, "expected a whole number >= 0 (bytes)")
-        return value
+    def size(self, raw, where, key, default: int) -> int:
+        try:
+            return parse_size(raw.get(key, default))
+        except ValueError as e:
+            self.fail(where, key, str(e))
 
     def duration(self, raw, where, key, default: float) -> float:
-        if key not in raw:
-            return default
-        value = raw[key]
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-            return float(value)
-        m = DURATION.match(value) if isinstance(value, str) else None
-        if not m:
-            self.fail(where, key, f"expected a duration like '30s', '5m', '2h' (got {value!r})")
-        return float(m.group(1)) * UNITS[m.group(2)]
+        try:
+            return parse_duration(raw.get(key, default))
+        except ValueError as e:
+            self.fail(where, key, str(e))
 
     def policy(self, raw, where) -> Policy | None:
         if "retention" not in raw:

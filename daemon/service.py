@@ -35,7 +35,7 @@ from . import config as config_mod
 from .metrics import Metrics
 from mountfs.sdnotify import notify, watchdog_interval
 from .retention import decide
-from .status import DaemonState, store_figures, write_state
+from .status import DaemonState, read_state, state_path, store_figures, write_state
 
 log = logging.getLogger("mountfsd")
 
@@ -56,7 +56,7 @@ class FilesystemLoop:
         self.fs = fs
         self.daemon = daemon
         self.metrics = metrics
-        self.state = DaemonState(fs.name, fs.mountpoint)
+        self.state = _previous_state(daemon.state_dir, fs)
         self.last_snapshot_at = 0.0            # monotonic; 0: none by this process yet
 
     async def run(self) -> None:
@@ -202,6 +202,20 @@ class FilesystemLoop:
         write_state(self.daemon.state_dir, self.state)
         notify(STATUS=f"{self.fs.name}: " + ("; ".join(lags) or "no mirrors") +
                (f"; error: {self.state.last_error}" if self.state.last_error else ""))
+
+
+def _previous_state(state_dir: str, fs: config_mod.FilesystemConfig) -> DaemonState:
+    """The record an earlier run of the daemon left (a restart, a reload), so that last
+    successes, errors and counters survive it; mirrors no longer configured are dropped."""
+    urls = [m.url for m in fs.mirrors]
+    state = DaemonState(fs.name, fs.mountpoint, configured=urls)
+    old = read_state(state_path(state_dir, fs.name))
+    if old is not None and old.mountpoint == fs.mountpoint:
+        state.last_snapshot = old.last_snapshot
+        state.mirrors = {url: m for url, m in old.mirrors.items() if url in urls}
+        for m in state.mirrors.values():
+            m.failures, m.next_try_ns = 0, None        # a new process tries at once
+    return state
 
 
 def local_decisions(store: str, fs: config_mod.FilesystemConfig):

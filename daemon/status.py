@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from mountfs import schema as S
@@ -39,11 +39,14 @@ class StoreFigures:
     newest_created_ns: int | None
     changed_since_newest: bool
     mirrors: dict[str, MirrorFigures] = field(default_factory=dict)
+    others: dict[str, MirrorFigures] = field(default_factory=dict)   # held, not configured
 
 
-def store_figures(store_path: str, urls: list[str], now_ns: int | None = None) -> StoreFigures:
-    """Replication figures of every mirror in ``urls`` (plus any other mirror the store
-    holds a base for), from the store alone: O(snapshots)."""
+def store_figures(store_path: str, urls: list[str] | None,
+                  now_ns: int | None = None) -> StoreFigures:
+    """Replication figures of the configured mirrors ``urls`` (None: every mirror the store
+    holds a base for) in ``mirrors``, and of mirrors replicated to by hand but not
+    configured in ``others``, from the store alone: O(snapshots)."""
     now_ns = now_ns or time.time_ns()
     store = Store.open(store_path, readonly=True, lock=False)
     try:
@@ -58,14 +61,16 @@ def store_figures(store_path: str, urls: list[str], now_ns: int | None = None) -
             out = StoreFigures(all_snaps[-1].name if all_snaps else None,
                                all_snaps[-1].created_ns if all_snaps else None,
                                root.mepoch > (all_snaps[-1].epoch if all_snaps else 0))
-            for url in dict.fromkeys(list(urls) + list(bases)):
+            configured = list(bases) if urls is None else list(urls)
+            for url in dict.fromkeys(configured + list(bases)):
                 base = bases.get(url)
                 after = [s for s in all_snaps if base is None or s.epoch > base.epoch]
                 epochs = [s.epoch for s in after] + [live]
                 changed = base is None or root.mepoch > base.epoch
                 lag = None if base is None else \
                     (max(0.0, (now_ns - base.created_ns) / 1e9) if changed else 0.0)
-                out.mirrors[url] = MirrorFigures(
+                group = out.mirrors if url in configured else out.others
+                group[url] = MirrorFigures(
                     url, base.name if base else None, base.created_ns if base else None, lag,
                     sum(written(txn, dbs, e) for e in epochs), len(after))
             return out
@@ -100,6 +105,7 @@ class DaemonState:
     updated_ns: int = 0
     last_snapshot: str | None = None
     last_error: str | None = None
+    configured: list[str] = field(default_factory=list)      # mirror URLs of the config
     mirrors: dict[str, MirrorState] = field(default_factory=dict)
 
     def mirror(self, url: str) -> MirrorState:
@@ -120,13 +126,21 @@ def write_state(state_dir: str, state: DaemonState) -> None:
     os.replace(tmp, path)
 
 
-def read_state(path: Path) -> DaemonState | None:
+def read_state(path: str | os.PathLike) -> DaemonState | None:
+    """The daemon's record, or None when there is none or it cannot be read (fields this
+    version does not know are ignored: the file may come from another version)."""
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
+        raw = json.loads(Path(path).read_text())
+        mirrors = {u: MirrorState(**_known(MirrorState, m))
+                   for u, m in raw.pop("mirrors", {}).items()}
+        return DaemonState(**_known(DaemonState, raw), mirrors=mirrors)
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
-    mirrors = {u: MirrorState(**m) for u, m in raw.pop("mirrors", {}).items()}
-    return DaemonState(**raw, mirrors=mirrors)
+
+
+def _known(cls, raw: dict) -> dict:
+    names = {f.name for f in fields(cls)} - {"mirrors"}
+    return {k: v for k, v in raw.items() if k in names}
 
 
 def daemon_alive(state: DaemonState) -> bool:

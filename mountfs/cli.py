@@ -8,18 +8,9 @@ import sys
 
 import click
 
+from .clitools import CONTEXT, SIZE, LazyGroup, fail, version_option
 from .store import StoreError
 
-SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1] if t and t[-1] in SIZE_UNITS else ""
-    try:
-        return int(t[:-1] if unit else t) * SIZE_UNITS[unit]
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a size (e.g. 1M, 256K)")
 
 
 def setup_logging(verbose: bool) -> None:
@@ -28,48 +19,9 @@ def setup_logging(verbose: bool) -> None:
                         stream=sys.stderr)
 
 
-def fail(msg: str, code: int = 1):
-    click.echo(f"mountfs: {msg}", err=True)
-    sys.exit(code)
-
-
-class OneLineUsageError(click.UsageError):
-    """A usage error shown as one line naming the command, like every other error (click's
-    own form is four lines: usage, a hint, a blank line, then the error)."""
-
-    def show(self, file=None) -> None:
-        msg = self.format_message().rstrip(".")
-        if self.ctx is not None:
-            path = self.ctx.command_path
-            msg = f"{path}: {msg} (see '{path} --help')"
-        click.echo(msg, err=True)
-
-
-class OneLineGroup(click.Group):
-    """A command group (mountfs, snapctl) whose usage errors, its own or its commands', are
-    one line on stderr with status 2."""
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as e:
-            raise _one_line(e) from None
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except click.UsageError as e:
-            raise _one_line(e) from None
-
-
-def _one_line(e: click.UsageError) -> click.UsageError:
-    if isinstance(e, (OneLineUsageError, click.exceptions.NoArgsIsHelpError)):
-        return e                                  # no arguments at all: the help is right
-    return OneLineUsageError(e.format_message(), e.ctx)
-
-
-@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings=CONTEXT)
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages.")
+@version_option("mountfs")
 @click.pass_context
 def main(ctx, verbose):
     """mountfs: a snapshotting filesystem on LMDB, mounted through FUSE.
@@ -86,12 +38,11 @@ def main(ctx, verbose):
 
 @main.command()
 @click.argument("store", type=click.Path())
-@click.option("--chunk-size", default="1M", show_default=True,
+@click.option("--chunk-size", "size", type=SIZE, default="1M", show_default=True,
               help="Size of the content-addressed chunks files are cut into (power of two).")
-def mkfs(store, chunk_size):
+def mkfs(store, size):
     """Create an empty store in directory STORE (new or empty)."""
     from .store import Store
-    size = parse_size(chunk_size)
     try:
         Store.mkfs(store, size)
     except StoreError as e:
@@ -106,12 +57,13 @@ def mkfs(store, chunk_size):
 @click.option("--allow-other", is_flag=True,
               help="Let other users in (permissions are still enforced by mode bits).")
 @click.option("--read-only", is_flag=True, help="Mount without writes (EROFS on every write).")
+@click.option("-v", "--verbose", is_flag=True, help="Log debug messages (as 'mountfs -v').")
 @click.option("--ready-fd", type=int, hidden=True)
 @click.pass_context
-def mount(ctx, store, mountpoint, foreground, allow_other, read_only, ready_fd):
+def mount(ctx, store, mountpoint, foreground, allow_other, read_only, verbose, ready_fd):
     """Mount STORE at MOUNTPOINT. Returns once the mount is ready."""
     from .mount import mount_background, run_foreground
-    verbose = ctx.obj["verbose"]
+    verbose = verbose or ctx.obj["verbose"]
     if not foreground:
         try:
             pid = mount_background(store, mountpoint, allow_other, read_only, verbose)
@@ -146,51 +98,6 @@ def umount(mountpoint, timeout):
         do_umount(mountpoint, timeout)
     except StoreError as e:
         fail(str(e))
-
-
-@main.command("serve-mirror")
-@click.argument("store", type=click.Path())
-@click.option("--listen", default="127.0.0.1:8765", show_default=True, metavar="HOST:PORT",
-              help="Address to listen on.")
-@click.option("--token-file", required=True, type=click.Path(dir_okay=False),
-              help="File holding the bearer token clients must present.")
-@click.option("--tls-cert", type=click.Path(dir_okay=False), help="Serve HTTPS with this "
-              "certificate (PEM); needs --tls-key.")
-@click.option("--tls-key", type=click.Path(dir_okay=False), help="The certificate's key.")
-@click.option("--chunk-size", default="1M", show_default=True,
-              help="Chunk size if STORE does not exist yet (must match the source's).")
-@click.pass_context
-def serve_mirror(ctx, store, listen, token_file, tls_cert, tls_key, chunk_size):
-    """Receive replication into mirror STORE over HTTP(S) (created if missing).
-
-    Sources replicate with 'snapctl replicate --to http://HOST:PORT --token-file FILE'.
-    Every request must carry the token; the store stays locked while this runs."""
-    import trio
-    from replicator.server import serve
-    from .store import Store
-    setup_logging(ctx.obj["verbose"])
-    if bool(tls_cert) != bool(tls_key):
-        fail("--tls-cert and --tls-key go together")
-    try:
-        token = open(token_file).read().strip()
-    except OSError as e:
-        fail(f"cannot read token file {token_file}: {e.strerror}")
-    if len(token) < 16:
-        fail(f"the token in {token_file} is too short (16 characters at least)")
-    try:
-        if not os.path.exists(os.path.join(store, "data.mdb")):
-            Store.mkfs(store, parse_size(chunk_size))
-        st = Store.open(store, holder=f"serving a mirror on {listen}")
-    except StoreError as e:
-        fail(str(e))
-    scheme = "https" if tls_cert else "http"
-    click.echo(f"serving mirror {os.path.abspath(store)} on {scheme}://{listen}", err=True)
-    try:
-        trio.run(serve, st, token, listen, tls_cert, tls_key)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        st.close()
 
 
 @main.command()
@@ -240,4 +147,4 @@ def fsck(store, quiet):
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="mountfs")

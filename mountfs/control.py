@@ -14,10 +14,7 @@ import socket
 import struct
 from pathlib import Path
 
-import trio
-
-from .namespace import FsError
-from .store import StoreError
+from .errors import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +42,8 @@ class ControlServer:
         self.mountpoint = mountpoint
         self.path = socket_path(engine.store.path)
 
-    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, task_status) -> None:
+        import trio             # here, so that snapctl's client side never loads trio
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if self.path.exists() or self.path.is_symlink():
             self.path.unlink()
@@ -63,7 +61,9 @@ class ControlServer:
         finally:
             self.path.unlink(missing_ok=True)
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, stream) -> None:
+        import trio
+        from .namespace import FsError
         async with stream:
             if not self._peer_allowed(stream):
                 await stream.send_all(b'{"ok": false, "error": "permission denied"}\n')
@@ -116,6 +116,8 @@ class ControlServer:
         if op == "hold":
             await engine.hold(bytes.fromhex(req["mirror"]), req["name"], req["label"])
             return {"ok": True}
+        if op == "forget_mirror":
+            return {"ok": True, "dropped": await engine.forget_mirror(req["label"])}
         if op == "rollback":
             done = await engine.rollback(req["name"], bool(req.get("force")))
             await self.ops.invalidate(done.inodes, done.entries)
@@ -133,6 +135,7 @@ class ControlServer:
 
 
 def _message(e: Exception) -> str:
+    from .namespace import FsError
     if isinstance(e, FsError):
         return os.strerror(e.errno)
     if isinstance(e, KeyError):

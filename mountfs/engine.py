@@ -178,6 +178,13 @@ class Engine:
                 snapshots.set_hold(txn, self.db, mirror_uuid, name, label)
         self._unsynced = True
 
+    async def forget_mirror(self, label: str) -> int:
+        async with self.lock:
+            with self.store.write() as txn:
+                dropped = snapshots.drop_holds(txn, self.db, label)
+        self._unsynced = True
+        return dropped
+
     async def rollback(self, name: str, force: bool) -> snapshots.Rollback:
         snap = self.snapshot(name)
         await self.files.flush_all()

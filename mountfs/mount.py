@@ -19,15 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyfuse3
-import trio
-
-from .control import ControlServer
-from .engine import Engine
-from .namespace import FsError
-from .ops import Operations
 from .sdnotify import notify
-from .store import Store, StoreError, lock_holder
+from .errors import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +84,12 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
                    read_only: bool = False, ready=None) -> None:
     """Mount and serve until unmounted or signalled. ``ready(msg)`` is called with None once
     the mount is live, or with an error message if it could not be."""
+    import pyfuse3              # the serving side's imports: finding a mount needs none
+    import trio
+
+    from .engine import Engine
+    from .ops import Operations
+    from .store import Store
     mountpoint = os.path.abspath(mountpoint)
     _check_mountpoint(mountpoint)
     store = Store.open(store_path, readonly=read_only, lock=not read_only,
@@ -123,6 +122,11 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
 
 
 async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> None:
+    import pyfuse3
+    import trio
+
+    from .control import ControlServer
+    from .namespace import FsError
     if not engine.store.readonly:
         n = await engine.remove_orphans()
         if n:
@@ -152,6 +156,8 @@ async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> Non
 
 
 async def _on_signals() -> None:
+    import pyfuse3
+    import trio
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
             log.info("signal received: unmounting")
@@ -204,6 +210,7 @@ def mount_background(store: str, mountpoint: str, allow_other: bool, read_only: 
 
 
 def umount(mountpoint: str, timeout: float = 120.0) -> None:
+    from .store import lock_holder
     mountpoint = os.path.abspath(mountpoint)
     info = next((m for m in mounts() if m.mountpoint == mountpoint), None)
     if info is None:

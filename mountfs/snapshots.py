@@ -119,6 +119,15 @@ def set_hold(txn, dbs, mirror_uuid: bytes, name: str, label: str) -> None:
     txn.put(HOLD_PREFIX + mirror_uuid, snap.uuid + label.encode(), db=dbs["meta"])
 
 
+def drop_holds(txn, dbs, label: str) -> int:
+    """Forget every mirror recorded under ``label`` (its URL): its base is no longer kept.
+    Returns how many were dropped."""
+    gone = [mirror for mirror, _, held_label in holds(txn, dbs) if held_label == label]
+    for mirror in gone:
+        txn.delete(HOLD_PREFIX + mirror, db=dbs["meta"])
+    return len(gone)
+
+
 def _merge_written(txn, dbs, epoch: int) -> None:
     """A deleted snapshot's epoch merges into the next retained one (the next snapshot's,
     or the live one), and so does its count of written bytes."""

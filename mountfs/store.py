@@ -25,15 +25,12 @@ import lmdb
 
 from . import buckets
 from . import schema as S
+from .errors import StoreError
 
 MAP_SIZE = 1 << 43          # address space only (8 TiB); the file grows with the data
 DEFAULT_CHUNK_SIZE = 1 << 20
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 64 << 20
-
-
-class StoreError(Exception):
-    """A user-facing error about a store: printed as one line, exit status 1."""
 
 
 class StoreFull(StoreError):

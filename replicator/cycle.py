@@ -1,4 +1,4 @@
-"""One replication cycle (DESIGN.md, "Replication"):
+"""One replication cycle:
 
 1. base: the newest source snapshot older than the one being sent whose uuid the mirror
    holds (none: a full first copy into an empty mirror);
@@ -54,10 +54,12 @@ class CycleResult:
 def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
               master: str | None = None, batch_bytes: int = transfer.DEFAULT_BATCH_BYTES,
               stall_seconds: float = transfer.DEFAULT_STALL_SECONDS,
-              progress=None, inline_bytes: int = 0) -> CycleResult:
+              progress=None, inline_bytes: int = 0, phase=None) -> CycleResult:
     """Send snapshot ``snapshot`` of the store at ``source_path`` to ``mirror`` (an
     endpoint from replicator.endpoints). Transfers of at most ``inline_bytes`` skip Spark
-    (starting its JVM costs seconds; a few changed chunks take milliseconds)."""
+    (starting its JVM costs seconds; a few changed chunks take milliseconds).
+    ``phase(text)`` hears what the cycle is doing before the transfer's ``progress``."""
+    phase = phase or (lambda text: None)
     started = time.monotonic()
     source = Store.open(source_path, readonly=True, lock=False)
     try:
@@ -75,6 +77,8 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
                 raise MirrorError(f"the mirror has changed since its copy of {base.name!r}; "
                                   f"pass --force to roll it back to {base.name!r}")
             mirror.rollback_to(base.uuid.hex())
+        phase(f"finding what changed since {base.name}" if base else
+              "listing the snapshot for a full copy")
         diff_started = time.monotonic()
         reconciling = base is None and not info["empty"]
         if reconciling:
@@ -88,12 +92,15 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
                                      base.epoch if base else None, snap.epoch)
         diff_seconds = time.monotonic() - diff_started
         wanted = cs.digests()
+        phase(f"asking the mirror which of {len(wanted)} chunks it lacks")
         lacking = mirror.missing(list(wanted))
         todo = [(d, wanted[d]) for d in lacking]
         chunk_batches = transfer.batches(todo, batch_bytes)
-        if sum(n for _, n in todo) <= inline_bytes:
+        todo_bytes = sum(n for _, n in todo)
+        if todo_bytes <= inline_bytes:
             sent = transfer.send_inline(source, mirror.stage, chunk_batches, progress)
         else:
+            phase(f"starting Spark to send {len(todo)} chunks ({todo_bytes} bytes)")
             sent = transfer.send(str(source.path), mirror.sink, chunk_batches, master=master,
                                  stall_seconds=stall_seconds, progress=progress)
         mirror.commit(source.uuid, base.uuid.hex() if base else None,

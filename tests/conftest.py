@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
 def cli(*args, check=True, input=None, env=None, timeout=120) -> subprocess.CompletedProcess:
     """Run ``mountfs``/``snapctl`` as a user would (a separate process)."""
     tool, *rest = args
-    module = {"mountfs": "mountfs.cli", "snapctl": "mountfs.snapctl"}[tool]
+    module = {"mountfs": "cmdline.mountfs", "snapctl": "cmdline.snapctl"}[tool]
     res = subprocess.run([sys.executable, "-m", module, *map(str, rest)], capture_output=True,
                          text=True, input=input, env=env, timeout=timeout)
     if check and res.returncode != 0:
@@ -184,7 +184,7 @@ class Receiver:
         self.proc = None
 
     def start(self) -> "Receiver":
-        args = [sys.executable, "-m", "mountfs.cli", "serve-mirror", str(self.store),
+        args = [sys.executable, "-m", "cmdline.mountfs", "serve-mirror", str(self.store),
                 "--listen", f"127.0.0.1:{self.port}", "--token-file", str(self.token_file)]
         if self.tls:
             args += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]

@@ -141,7 +141,7 @@ for i in range(10**6):
              src=f"{d}/f{i}", dst=f"{name}/moved/f{i}")
     if take_snapshots and i % 6 == 2:
         def create():
-            res = subprocess.run([sys.executable, "-m", "mountfs.snapctl", "-m", mnt,
+            res = subprocess.run([sys.executable, "-m", "cmdline.snapctl", "-m", mnt,
                                   "create", f"s{i}"], capture_output=True)
             if res.returncode != 0:
                 raise SystemExit(f"snapshot s{i} failed")

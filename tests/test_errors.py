@@ -23,7 +23,7 @@ def fails_clearly(*args, code=1, contains="", cwd=None) -> str:
     """Run a command that must fail: status ``code``, exactly one line on stderr (no
     traceback, no usage text) containing ``contains``. Returns that line."""
     tool, *rest = args
-    module = {"mountfs": "mountfs.cli", "snapctl": "mountfs.snapctl"}[tool]
+    module = {"mountfs": "cmdline.mountfs", "snapctl": "cmdline.snapctl"}[tool]
     res = subprocess.run([sys.executable, "-m", module, *map(str, rest)], capture_output=True,
                          text=True, cwd=cwd, timeout=120, check=False)
     assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
@@ -58,7 +58,7 @@ def test_mkfs_refuses_what_is_not_empty_or_not_a_size(tmp_path):
     fails_clearly("mountfs", "mkfs", "--chunk-size", "3000", tmp_path / "odd",
                   contains="power of two")
     fails_clearly("mountfs", "mkfs", "--chunk-size", "lots", tmp_path / "odd", code=2,
-                  contains="'lots' is not a size")
+                  contains="expected a size like 16M, 256K, 1G or a number of bytes (got 'lots')")
     assert not (tmp_path / "odd").exists()
 
 

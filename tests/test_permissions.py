@@ -138,7 +138,7 @@ def test_the_control_socket_is_owner_only(shared):
 
 def snapctl_as_nobody(mount, *args) -> subprocess.CompletedProcess:
     return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                           sys.executable, "-m", "mountfs.snapctl", "-m", str(mount.mnt), *args],
+                           sys.executable, "-m", "cmdline.snapctl", "-m", str(mount.mnt), *args],
                           capture_output=True, text=True, timeout=60, cwd="/")
 
 

@@ -369,7 +369,7 @@ def test_replicating_into_a_mirror_of_another_source_is_refused(spark, make_moun
 # ---- the command line, and a kill in the middle -------------------------------------------
 
 def snapctl_replicate(m: Mount, mirror: Path, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mountfs.snapctl", "-m", str(m.mnt),
+    return subprocess.Popen([sys.executable, "-m", "cmdline.snapctl", "-m", str(m.mnt),
                              "replicate", "--to", f"file://{mirror}", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

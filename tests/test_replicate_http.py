@@ -103,7 +103,7 @@ def replicate_cli(m, r: Receiver, tmp_path: Path, *args) -> subprocess.Popen:
     for i in range(24):
         (m.mnt / f"f{i}").write_bytes(os.urandom(1 << 20))
     m.snapctl("create", "s1")
-    proc = subprocess.Popen([sys.executable, "-m", "mountfs.snapctl", "-m", str(m.mnt),
+    proc = subprocess.Popen([sys.executable, "-m", "cmdline.snapctl", "-m", str(m.mnt),
                              "replicate", "--to", r.url, "--token-file", str(tmp_path / "token"),
                              "--snapshot", "s1", "--batch-size", "1M", "--spark-threshold", "0",
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -25,7 +25,7 @@ from test_replicate import assert_mirror_equals, send
 
 
 def run_verify(m, mirror: Path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mountfs.snapctl", "-m", str(m.mnt), "verify",
+    return subprocess.run([sys.executable, "-m", "cmdline.snapctl", "-m", str(m.mnt), "verify",
                            "--mirror", f"file://{mirror}", "--json", *args],
                           capture_output=True, text=True, timeout=300)
 

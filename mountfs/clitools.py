@@ -1,0 +1,148 @@
+"""What every mountfs command line shares (click): one-line errors, the size and duration
+parameter types (the same parsers as the daemon's config), --version, -m/--store accepted
+before or after the command, and groups whose commands are imported only when run.
+
+Kept light on purpose: it imports click and nothing of the store, so a command loads only
+what it uses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from . import units
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+def fail(msg: str, code: int = 1):
+    """Print ``PROG: msg`` on stderr (PROG: the command the user ran) and exit."""
+    ctx = click.get_current_context(silent=True)
+    prog = ctx.find_root().info_name if ctx is not None else "mountfs"
+    click.echo(f"{prog}: {msg}", err=True)
+    sys.exit(code)
+
+
+class OneLineUsageError(click.UsageError):
+    """A usage error shown as one line naming the command, like every other error (click's
+    own form is four lines: usage, a hint, a blank line, then the error)."""
+
+    def show(self, file=None) -> None:
+        msg = self.format_message().rstrip(".")
+        if self.ctx is not None:
+            path = self.ctx.command_path
+            msg = f"{path}: {msg} (see '{path} --help')"
+        click.echo(msg, err=True)
+
+
+def _one_line(e: click.UsageError) -> click.UsageError:
+    if isinstance(e, (OneLineUsageError, click.exceptions.NoArgsIsHelpError)):
+        return e                                  # no arguments at all: the help is right
+    return OneLineUsageError(e.format_message(), e.ctx)
+
+
+class OneLineCommand(click.Command):
+    """A command (mountfsd) whose usage errors are one line on stderr with status 2."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+
+class OneLineGroup(click.Group):
+    """A command group (mountfs, snapctl) whose usage errors, its own or its commands', are
+    one line on stderr with status 2, and whose --help shows each command's whole first
+    sentence (click cuts them at 45 characters)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+    def format_commands(self, ctx, formatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit=1000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class LazyGroup(OneLineGroup):
+    """A group whose commands live in other modules (``"package.module:attribute"``), imported
+    only when that command runs (or for --help): ``snapctl create`` never loads the
+    replicator or the daemon."""
+
+    def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted(set(self.lazy) | set(super().list_commands(ctx)))
+
+    def get_command(self, ctx, name):
+        if name in self.lazy:
+            module, _, attr = self.lazy[name].partition(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+def version_option(prog: str):
+    """--version, read from the installed package's metadata only when asked."""
+    return click.version_option(package_name="mountfs", prog_name=prog,
+                                message="%(prog)s %(version)s")
+
+
+class _Units(click.ParamType):
+    def __init__(self, name: str, parse):
+        self.name = name
+        self.parse = parse
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        try:
+            return self.parse(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+SIZE = _Units("size", units.parse_size)
+DURATION = _Units("duration", units.parse_duration)
+
+
+def _remember(key: str):
+    def callback(ctx, param, value):
+        if value is not None:
+            ctx.find_root().obj[key] = value
+    return callback
+
+
+def mountpoint_option(fn):
+    """-m MOUNTPOINT after the command name too (``snapctl create -m MNT x``), like before."""
+    return click.option("-m", "--mountpoint", type=click.Path(), expose_value=False,
+                        callback=_remember("mountpoint"),
+                        help="The mounted filesystem (also accepted before the command).")(fn)
+
+
+def target_options(fn):
+    """-m MOUNTPOINT and --store STORE after the command name too, like before it."""
+    fn = mountpoint_option(fn)
+    return click.option("--store", type=click.Path(), expose_value=False,
+                        callback=_remember("store"),
+                        help="A store directory, mounted or not (also accepted before the "
+                             "command).")(fn)

@@ -1,0 +1,43 @@
+"""The one parser for sizes and the one for durations, used by every command line and by the
+daemon's config, so that what one accepts the other accepts too ("16M", "5m", plain numbers).
+
+Sizes are binary (K = 1024); durations take ms, s, m, h, d, w (no unit: seconds).
+"""
+
+from __future__ import annotations
+
+import re
+
+SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from ``16777216``, ``"16M"``, ``"256KiB"``, ``"1G"``; ValueError otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    m = SIZE.match(value) if isinstance(value, str) else None
+    if not m:
+        raise ValueError(f"expected a size like 16M, 256K, 1G or a number of bytes "
+                         f"(got {value!r})")
+    return int(m.group(1)) * SIZE_UNITS[m.group(2).upper()]
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Seconds from ``300``, ``"300"``, ``"5m"``, ``"1.5h"``, ``"250ms"``; ValueError otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    m = DURATION.match(value) if isinstance(value, str) else None
+    if not m:
+        raise ValueError(f"expected a duration like 30s, 5m, 2h, 1d or a number of seconds "
+                         f"(got {value!r})")
+    return float(m.group(1)) * DURATION_UNITS[m.group(2)]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024

@@ -1,0 +1,394 @@
+"""The replicator's commands: ``snapctl replicate``, ``verify``, ``restore --from``,
+``forget-mirror`` and ``mountfs serve-mirror``.
+
+Only click and the bottom package's command-line helpers are imported here; the replication
+machinery (Spark, httpx, the mirror code) is imported by the command that runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+from urllib.parse import urlparse
+
+import click
+
+from mountfs import snapctl
+from mountfs.clitools import CONTEXT, DURATION, SIZE, fail, target_options
+from mountfs.errors import StoreError
+
+TOKEN_HELP = "Bearer token for an http(s) mirror (else $MOUNTFS_TOKEN)."
+CA_HELP = "Trust only this CA certificate for an https mirror (a self-signed receiver)."
+INTERRUPTED = 130          # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
+
+
+def _token(token_file: str | None) -> str | None:
+    if token_file:
+        try:
+            return open(token_file).read().strip()
+        except OSError as e:
+            fail(f"cannot read token file {token_file}: {e.strerror}")
+    return os.environ.get("MOUNTFS_TOKEN")
+
+
+def _chunk_size(where: snapctl.Target) -> int:
+    from mountfs.store import Store
+    source = Store.open(where.store, readonly=True, lock=False)
+    try:
+        return source.chunk_size
+    finally:
+        source.close()
+
+
+def _inside(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def refuse_mirror_inside_source(where: snapctl.Target, url: str) -> None:
+    """A ``file://`` mirror inside the source's mount or store would replicate the
+    filesystem into itself (and grow with every cycle)."""
+    parsed = urlparse(url)
+    if parsed.scheme != "file":
+        return
+    path = os.path.realpath(parsed.path)
+    for top, what in ((where.mountpoint, "mounted filesystem"), (where.store, "store")):
+        if top and _inside(path, os.path.realpath(top)):
+            raise StoreError(f"the mirror {parsed.path} is inside the source {what} {top}; "
+                             f"choose a directory outside it")
+    from mountfs.mount import find_mount
+    info = find_mount(path)
+    if info is not None and os.path.realpath(info.store) == os.path.realpath(where.store):
+        raise StoreError(f"the mirror {parsed.path} is inside the source filesystem "
+                         f"(mounted at {info.mountpoint}); choose a directory outside it")
+
+
+def open_checked_mirror(where: snapctl.Target, url: str, token_file, ca_file,
+                        create: bool = True):
+    """The mirror, opened and asked for its state: a mirror that cannot be reached, refuses
+    the token or is not a store fails here, before anything is done on the source."""
+    from replicator.endpoints import open_mirror
+    refuse_mirror_inside_source(where, url)
+    mirror = open_mirror(url, _chunk_size(where), token=_token(token_file), ca_file=ca_file,
+                         create=create)
+    try:
+        mirror.info()
+    except BaseException:
+        mirror.close()
+        raise
+    return mirror
+
+
+def _new_snapshot_name() -> str:
+    """``repl-`` and the UTC time to the microsecond: two runs never pick the same name."""
+    return "repl-" + datetime.datetime.now(datetime.timezone.utc).strftime(
+        "%Y%m%dT%H%M%S.%fZ")
+
+
+@click.command(context_settings=CONTEXT)
+@target_options
+@click.option("--to", "mirror_url", required=True, metavar="MIRROR_URL",
+              help="file:///path/to/store, or http(s)://host:port (serve-mirror).")
+@click.option("--snapshot", "name", help="Send this snapshot (default: take one of the live "
+              "tree now, named repl-YYYYmmddTHHMMSS.ffffffZ; removed again if the run fails).")
+@click.option("--force", is_flag=True,
+              help="If the mirror changed since the base, roll it back to the base.")
+@click.option("--spark-master", metavar="URL", envvar="MOUNTFS_SPARK_MASTER",
+              help="Spark master (spark://, yarn, k8s://); default: embedded local[*].")
+@click.option("--token-file", type=click.Path(dir_okay=False), help=TOKEN_HELP)
+@click.option("--ca-file", type=click.Path(dir_okay=False), help=CA_HELP)
+@click.option("--batch-size", type=SIZE, default="32M", show_default=True,
+              help="Bytes of chunks per Spark task (K, M, G suffixes).")
+@click.option("--spark-threshold", type=SIZE, default="16M", show_default=True,
+              help="Send at most this much without starting Spark (0: always use Spark).")
+@click.option("--stall-timeout", type=DURATION, default="5m", show_default=True,
+              help="Cancel a transfer that makes no progress for this long (30s, 5m, ...; "
+                   "a re-run resumes).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.pass_context
+def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, batch_size,
+              spark_threshold, stall_timeout, as_json):
+    """Send a snapshot to a mirror: only what changed since the newest snapshot both hold.
+
+    Renames and deletes, creates and modifies, then the snapshot of the same name, are
+    committed on the mirror in one transaction: the mirror is at its old snapshot or the new
+    one, never in between. Only chunks the mirror lacks travel (a Spark job). An interrupted
+    run (Ctrl-C: exit status 130) can simply be run again: chunks that arrived are not sent
+    twice. On a terminal, progress (bytes, rate, ETA) is shown on stderr."""
+    where = snapctl.target_of(ctx)
+    ours = None                           # the snapshot this run took, if any
+    progress = Progress(enabled=not as_json and sys.stderr.isatty())
+    try:
+        mirror = open_checked_mirror(where, mirror_url, token_file, ca_file)
+        try:
+            if name is None:
+                ours = name = snapctl.create_snapshot(where, _new_snapshot_name())["name"]
+            result = _cycle(where, mirror, name, force, spark_master, batch_size,
+                            spark_threshold, stall_timeout, progress)
+            ours = None                   # on the mirror now: it is the new base
+            snapctl.hold(where, mirror.info()["uuid"], result.snapshot, mirror_url)
+        finally:
+            progress.close()
+            mirror.close()
+    except KeyboardInterrupt:
+        _interrupted(where, ours)
+    except (StoreError, OSError) as e:
+        _drop(where, ours)
+        fail(_message(e))
+    except Exception as e:                # a Spark failure: one line, not a traceback
+        from replicator.transfer import TransferFailed
+        if not isinstance(e, TransferFailed):
+            raise
+        _drop(where, ours)
+        fail(f"transfer failed: {e}")
+    click.echo(json.dumps(result.to_json()) if as_json else result.summary())
+
+
+def _cycle(where, mirror, name, force, spark_master, batch_bytes, inline_bytes,
+           stall_seconds, progress):
+    from replicator.cycle import replicate as run_cycle
+    return run_cycle(where.store, mirror, name, force=force, master=spark_master,
+                     batch_bytes=batch_bytes, stall_seconds=stall_seconds,
+                     progress=progress.update if progress.enabled else None,
+                     inline_bytes=inline_bytes, phase=progress.phase)
+
+
+def _message(e: Exception) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        where = f" {e.filename}" if e.filename else ""
+        return f"{e.strerror.lower()}:{where}" if where else e.strerror.lower()
+    return str(e)
+
+
+def _drop(where: snapctl.Target, name: str | None) -> None:
+    """Delete the snapshot a failed run took, so that failures leave nothing behind."""
+    if name is None:
+        return
+    try:
+        snapctl.delete_snapshot(where, name)
+    except StoreError as e:
+        click.echo(f"snapctl: could not remove snapshot {name} taken by this run: {e}",
+                   err=True)
+
+
+def _interrupted(where: snapctl.Target, ours: str | None) -> None:
+    """Ctrl-C: one line and status 130. The terminal's SIGINT also reached the Spark JVM,
+    whose broken connection would otherwise print pages of py4j errors as Python exits:
+    cancel what is left, silence it, and leave without running exit handlers."""
+    logging.disable(logging.CRITICAL)
+    _quiet_stderr()
+    try:
+        from replicator import transfer
+        transfer.cancel_all()
+    except Exception:
+        pass                              # the JVM may be gone already: nothing to cancel
+    _drop(where, ours)
+    click.echo("snapctl: interrupted; chunks that arrived are kept on the mirror: run the "
+               "same command again to resume", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)
+
+
+def _quiet_stderr() -> None:
+    """Send file descriptor 2 (where py4j and the JVM write) to the Spark log; keep our own
+    messages on the terminal through a duplicate."""
+    from replicator.transfer import spark_log_path
+    saved = os.dup(2)
+    fd = os.open(spark_log_path(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = os.fdopen(saved, "w", buffering=1)
+
+
+class Progress:
+    """What a long replicate shows on a terminal (stderr): the phase it is in (finding the
+    changes, asking the mirror, starting Spark), then bytes sent, rate and ETA (tqdm)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+
+    def phase(self, text: str) -> None:
+        if self.enabled and self.bar is None:
+            click.echo(f"snapctl: {text}", err=True)
+
+    def update(self, done_bytes: int, total_bytes: int, chunks: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                            desc=f"sending {chunks} chunks", file=sys.stderr, leave=False,
+                            dynamic_ncols=True)
+        self.bar.update(done_bytes - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+@click.command(context_settings=CONTEXT)
+@target_options
+@click.option("--mirror", "mirror_url", required=True, metavar="MIRROR_URL",
+              help="file:///path/to/store, or http(s)://host:port.")
+@click.option("--snapshot", "name", help="Snapshot to compare (default: the newest both hold).")
+@click.option("--full", is_flag=True, help="Recompute every bucket from the items on both "
+              "sides and re-read every chunk on the mirror (slow; finds silent corruption).")
+@click.option("--repair", is_flag=True, help="Re-send exactly what differs.")
+@click.option("--token-file", type=click.Path(dir_okay=False), help=TOKEN_HELP)
+@click.option("--ca-file", type=click.Path(dir_okay=False), help=CA_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@click.pass_context
+def verify(ctx, mirror_url, name, full, repair, token_file, ca_file, as_json):
+    """Check that a mirror holds exactly the source's snapshot, cheaply.
+
+    Compares K bucket hashes (1024 by default) of the snapshot on both sides, then only the
+    buckets that differ, item by item. Exit status 0 when the mirror matches, 1 when it
+    differs (after --repair: when differences remain), 2 when the check could not run."""
+    from replicator.verify import verify as run_verify
+    where = snapctl.target_of(ctx)
+    try:
+        mirror = open_checked_mirror(where, mirror_url, token_file, ca_file, create=False)
+        try:
+            result = run_verify(where.store, mirror, name, full=full, repair=repair)
+        finally:
+            mirror.close()
+    except (StoreError, OSError) as e:
+        fail(_message(e), 2)
+    if as_json:
+        click.echo(json.dumps(result.to_json()))
+    else:
+        for d in result.differences:
+            click.echo(d.text())
+        for kind, digests in result.bad_chunks.items():
+            for digest in digests:
+                click.echo(f"chunk data {kind}: {digest}")
+        state = "matches" if result.clean else "DIFFERS"
+        mismatched = ", ".join(f"{w} {n}" for w, n in result.mismatched.items())
+        click.echo(f"mirror {state} at snapshot {result.snapshot}"
+                   f"{' after repair' if result.repaired else ''}: "
+                   f"{result.buckets} buckets compared, mismatched: {mismatched}")
+    sys.exit(0 if result.clean else 1)
+
+
+def _with_mirror_source(local: click.Command) -> click.Command:
+    """``snapctl restore`` with ``--from MIRROR_URL`` added to the bottom package's own."""
+    params = [
+        click.Option(["--from", "mirror_url"], metavar="MIRROR_URL",
+                     help="Bring NAME (or PATH of it) back from this mirror instead."),
+        click.Option(["--token-file"], type=click.Path(dir_okay=False), help=TOKEN_HELP),
+        click.Option(["--ca-file"], type=click.Path(dir_okay=False), help=CA_HELP),
+    ]
+
+    @click.pass_context
+    def callback(ctx, mirror_url, token_file, ca_file, **kwargs):
+        if mirror_url is None:
+            return ctx.invoke(local.callback, **kwargs)
+        _restore_from_mirror(snapctl.target_of(ctx), mirror_url, kwargs["name"],
+                             kwargs["path"], kwargs["dest"], kwargs["force"], token_file,
+                             ca_file)
+
+    return click.Command(local.name, params=local.params + params, callback=callback,
+                         context_settings=CONTEXT, help=local.help + """
+
+    \b
+    snapctl restore --from URL daily --to back copy snapshot daily back from a mirror
+
+    From a mirror, the tree is rebuilt through the mount; only chunks the source lacks
+    travel.""")
+
+
+def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_file):
+    from replicator.restore import restore_from
+    if not where.mountpoint:
+        fail("restore --from writes through the mounted filesystem: mount the store and "
+             "pass -m MOUNTPOINT")
+    rel = where.fs_path(path) if path else "."
+    to = where.fs_path(dest) if dest else rel
+    try:
+        mirror = open_checked_mirror(where, url, token_file, ca_file, create=False)
+        try:
+            result = restore_from(mirror, where.store, where.mountpoint, name, rel, to,
+                                  force)
+        finally:
+            mirror.close()
+    except StoreError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"restore from the mirror failed: {_message(e)}")
+    click.echo(f"restored ./{rel} of {name} from {url} to ./{to}: {result.entries} entries, "
+               f"{result.bytes_fetched} bytes fetched, {result.bytes_local} bytes found "
+               f"locally")
+
+
+restore = _with_mirror_source(snapctl.restore)
+
+
+@click.command("forget-mirror", context_settings=CONTEXT)
+@click.argument("url")
+@target_options
+@click.pass_context
+def forget_mirror(ctx, url):
+    """Forget mirror URL: drop its replication base, so that status, check and metrics no
+    longer report it and its base snapshot may be pruned.
+
+    For a mirror that was deleted or replaced. Replicating to it again later reconciles it
+    by hash buckets (or sends everything to an empty one)."""
+    where = snapctl.target_of(ctx)
+    try:
+        dropped = snapctl.forget_mirror(where, url)
+    except StoreError as e:
+        fail(str(e))
+    if not dropped:
+        fail(f"no mirror {url} is recorded on this filesystem ('snapctl status' lists them)")
+    click.echo(f"forgot mirror {url} (its base snapshot is no longer held)")
+
+
+@click.command("serve-mirror", context_settings=CONTEXT)
+@click.argument("store", type=click.Path())
+@click.option("--listen", default="127.0.0.1:8765", show_default=True, metavar="HOST:PORT",
+              help="Address to listen on.")
+@click.option("--token-file", required=True, type=click.Path(dir_okay=False),
+              help="File holding the bearer token clients must present.")
+@click.option("--tls-cert", type=click.Path(dir_okay=False), help="Serve HTTPS with this "
+              "certificate (PEM); needs --tls-key.")
+@click.option("--tls-key", type=click.Path(dir_okay=False), help="The certificate's key.")
+@click.option("--chunk-size", type=SIZE, default="1M", show_default=True,
+              help="Chunk size if STORE does not exist yet (must match the source's).")
+@click.option("-v", "--verbose", is_flag=True, help="Log debug messages (as 'mountfs -v').")
+@click.pass_context
+def serve_mirror(ctx, store, listen, token_file, tls_cert, tls_key, chunk_size, verbose):
+    """Receive replication into mirror STORE over HTTP(S) (created if missing).
+
+    Sources replicate with 'snapctl replicate --to http://HOST:PORT --token-file FILE'.
+    Every request must carry the token; the store stays locked while this runs."""
+    import trio
+
+    from mountfs.cli import setup_logging
+    from mountfs.store import Store
+    from replicator.server import serve
+    setup_logging(verbose or (ctx.obj or {}).get("verbose", False))
+    if bool(tls_cert) != bool(tls_key):
+        fail("--tls-cert and --tls-key go together")
+    try:
+        token = open(token_file).read().strip()
+    except OSError as e:
+        fail(f"cannot read token file {token_file}: {e.strerror}")
+    if len(token) < 16:
+        fail(f"the token in {token_file} is too short (16 characters at least)")
+    try:
+        if not os.path.exists(os.path.join(store, "data.mdb")):
+            Store.mkfs(store, chunk_size)
+        st = Store.open(store, holder=f"serving a mirror on {listen}")
+    except StoreError as e:
+        fail(str(e))
+    scheme = "https" if tls_cert else "http"
+    click.echo(f"serving mirror {os.path.abspath(store)} on {scheme}://{listen}", err=True)
+    try:
+        trio.run(serve, st, token, listen, tls_cert, tls_key)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        st.close()

@@ -1,0 +1,67 @@
+"""Imports run one way (mountfs at the bottom, replicator above it, daemon above that, the
+command lines composed on top), and a command loads only what it uses: checked in fresh
+interpreters, from sys.modules, not from timings."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("replicator", "daemon", "pyspark", "py4j", "trio", "pyfuse3", "httpx", "lmdb",
+         "blake3", "tqdm", "prometheus_client")
+
+
+def loaded_after(code: str) -> set[str]:
+    """Top-level packages in sys.modules after running ``code`` in a fresh interpreter."""
+    res = subprocess.run([sys.executable, "-c", code + "\nimport sys\n"
+                          "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    return set(res.stdout.split())
+
+
+def test_the_create_command_loads_neither_replicator_daemon_spark_trio_nor_fuse():
+    loaded = loaded_after("from cmdline.snapctl import main\n"
+                          "main.get_command(None, 'create')")
+    assert loaded.isdisjoint(HEAVY), sorted(loaded & set(HEAVY))
+
+
+@pytest.mark.parametrize("command, allowed", [
+    ("replicate", {"replicator", "lmdb", "blake3"}),        # the machinery loads when it runs
+    ("status", {"daemon", "lmdb", "blake3"}),
+])
+def test_other_commands_load_only_their_own_package(command, allowed):
+    loaded = loaded_after(f"from cmdline.snapctl import main\n"
+                          f"main.get_command(None, {command!r})")
+    assert loaded.isdisjoint(set(HEAVY) - allowed), sorted(loaded & (set(HEAVY) - allowed))
+
+
+def imported_packages(package: str) -> dict[str, set[str]]:
+    """For each module of ``package``, the top-level packages it imports (anywhere in it,
+    also inside functions)."""
+    out = {}
+    for path in (ROOT / package).glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+        out[path.name] = found
+    return out
+
+
+@pytest.mark.parametrize("package, above", [
+    ("mountfs", {"replicator", "daemon", "cmdline"}),
+    ("replicator", {"daemon", "cmdline"}),
+    ("daemon", {"cmdline"}),
+])
+def test_no_package_imports_one_above_it(package, above):
+    wrong = {name: sorted(found & above)
+             for name, found in imported_packages(package).items() if found & above}
+    assert not wrong, f"{package} imports upwards: {wrong}"
