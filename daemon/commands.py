@@ -125,8 +125,9 @@ def status(ctx, config_path, as_json):
                        f"{_ago(m.get('last_success_ns'))}")
             if m.get("last_cycle"):
                 c = m["last_cycle"]
-                click.echo(f"    last cycle: {c['entries']} entries, {c['bytes_sent']} bytes "
-                           f"sent, {c['seconds']:.1f} s")
+                click.echo(f"    last cycle: {c['entries']} names and {c.get('inodes', 0)} "
+                           f"inodes changed, {c['bytes_sent']} bytes sent, "
+                           f"{c['seconds']:.1f} s")
             if m.get("last_error"):
                 click.echo(f"    last error ({_ago(m['last_error_ns'])}): {m['last_error']}")
         if r["other_mirrors"]:

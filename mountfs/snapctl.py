@@ -1,8 +1,9 @@
 """``snapctl``'s own commands on snapshots: create, list, delete, diff, restore.
 
 The ``snapctl`` command line is composed above (``cmdline.snapctl``) from these and the
-replicator's and the daemon's commands. It finds the filesystem from ``-m MOUNTPOINT``, else from the mount holding the current
-directory, and talks to the mount process through its control socket. ``--store STORE``
+replicator's and the daemon's commands. It finds the filesystem from ``-m MOUNTPOINT``,
+else from the mount holding the current directory, and talks to the mount process through
+its control socket. ``--store STORE``
 names a store directly; if it is not mounted, snapctl works on it offline, under the store
 lock (so it can never race a mount).
 """
@@ -192,11 +193,12 @@ def delete_snapshot(where: Target, name: str, force: bool = False) -> None:
 @main.command("diff")
 @target_options
 @click.argument("from_snap", metavar="FROM")
-@click.argument("to_snap", metavar="TO", default=".")
+@click.argument("to_snap", metavar="[TO]", default=".", required=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per entry, per line.")
 @click.option("--chunks", is_flag=True,
               help="For modified files, list the changed chunks (index, offset, length, digest).")
-@click.option("--stat", "as_stat", is_flag=True, help="Counts and bytes per kind of change.")
+@click.option("--stat", "as_stat", is_flag=True, help="Per kind of change: entries, bytes of "
+              "the chunks written, and the change in file sizes.")
 @click.pass_context
 def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
     """What changed from snapshot FROM to snapshot TO ('.' is the live tree, the default).
@@ -236,7 +238,9 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
             entries = diffmod.diff(txn, store.db, store.chunk_size, lo, hi,
                                    with_chunks=chunks or as_stat)
             if as_stat:
-                _print_stat(entries)
+                from .namespace import View
+                _print_stat(entries, View(txn, store.db, lo, store.chunk_size),
+                            View(txn, store.db, hi, store.chunk_size))
             elif as_json:
                 for e in entries:
                     click.echo(json.dumps(e.to_json()))
@@ -249,19 +253,45 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
         store.close()
 
 
-def _print_stat(entries) -> None:
-    """Entries and bytes per op: the sizes of created and deleted files (not the implied
-    contents of created or deleted directories), the changed chunks of modified ones."""
-    counts = {op: 0 for op in ("create", "delete", "rename", "modify")}
-    nbytes = dict.fromkeys(counts, 0)
+def _print_stat(entries, before, after) -> None:
+    """Per kind of change: entries, the bytes of the chunks written (whole chunks: what a
+    mirror may need), and how file sizes changed. ``before`` and ``after`` are Views of
+    FROM and TO: the old size of a modified file, and the files inside a created or deleted
+    directory (implied by its one entry, counted here)."""
+    ops = ("create", "delete", "rename", "modify")
+    counts, written, grown = dict.fromkeys(ops, 0), dict.fromkeys(ops, 0), dict.fromkeys(ops, 0)
     for e in entries:
         counts[e.op] += 1
-        if e.chunks is not None:
-            nbytes[e.op] += sum(c.length for c in e.chunks)
-        elif e.size is not None:
-            nbytes[e.op] += e.size
-    for op in counts:
-        click.echo(f"{op:<8} {counts[op]:>10} entries {nbytes[op]:>14} bytes")
+        if e.link is not None:
+            continue                                  # another name: no data of its own
+        if e.op == "create":
+            size = _tree_size(after, e.ino) if e.type == "dir" else e.size or 0
+            written[e.op] += size
+            grown[e.op] += size
+        elif e.op == "delete":
+            grown[e.op] -= _tree_size(before, e.ino) if e.type == "dir" else e.size or 0
+        elif e.op == "modify" and e.type == "file":
+            written[e.op] += sum(c.length for c in e.chunks or ())
+            grown[e.op] += (e.size or 0) - before.get(e.ino).size
+    click.echo(f"{'CHANGE':<8} {'ENTRIES':>10} {'CHUNK BYTES WRITTEN':>20} "
+               f"{'FILE SIZE CHANGE':>17}")
+    for op in ops:
+        click.echo(f"{op:<8} {counts[op]:>10} {written[op]:>20} {grown[op]:>+17}")
+
+
+def _tree_size(view, top: int) -> int:
+    """Bytes of the regular files under directory ``top`` (each inode once)."""
+    import stat
+    total, seen, todo = 0, set(), [top]
+    while todo:
+        for _, child in view.listdir(todo.pop()):
+            rec = view.get(child)
+            if stat.S_ISDIR(rec.mode):
+                todo.append(child)
+            elif stat.S_ISREG(rec.mode) and child not in seen:
+                seen.add(child)
+                total += rec.size
+    return total
 
 
 @main.command()

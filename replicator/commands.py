@@ -218,15 +218,26 @@ class Progress:
     def update(self, done_bytes: int, total_bytes: int, chunks: int) -> None:
         if self.bar is None:
             from tqdm import tqdm
+            cols, rows = _terminal_size()
             self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
                             desc=f"sending {chunks} chunks", file=sys.stderr, leave=False,
-                            dynamic_ncols=True)
+                            ncols=cols, nrows=rows, mininterval=0.5)
         self.bar.update(done_bytes - self.bar.n)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _terminal_size() -> tuple[int, int]:
+    """(columns, lines) of the terminal; 80x24 for one that reports no size (a fresh pty,
+    where tqdm would otherwise draw nothing)."""
+    try:
+        size = os.get_terminal_size(sys.stderr.fileno())
+    except OSError:
+        return 80, 24
+    return size.columns or 80, size.lines or 24
 
 
 @click.command(context_settings=CONTEXT)

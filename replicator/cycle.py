@@ -31,7 +31,8 @@ from .verify import reconcile
 class CycleResult:
     snapshot: str
     base: str | None
-    entries: int
+    entries: int                   # directory entries (names) written or removed on the mirror
+    inodes: int                    # inode records written or removed (the receiver logs both)
     chunks_sent: int
     bytes_sent: int
     bytes_skipped: int
@@ -45,7 +46,8 @@ class CycleResult:
 
     def summary(self) -> str:
         base = f"from {self.base}" if self.base else "full copy"
-        return (f"replicated {self.snapshot} ({base}): {self.entries} entries, "
+        return (f"replicated {self.snapshot} ({base}): {self.entries} names and "
+                f"{self.inodes} inodes changed, "
                 f"{self.chunks_sent} chunks sent ({self.bytes_sent} bytes), "
                 f"{self.bytes_skipped} bytes not sent (already on the mirror), "
                 f"{self.seconds:.2f} s")
@@ -70,7 +72,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
         _check_compatible(source, info)
         held = {s["uuid"]: s for s in info["snapshots"]}
         if snap.uuid.hex() in held:
-            return CycleResult(snap.name, None, 0, 0, 0, 0, time.monotonic() - started)
+            return CycleResult(snap.name, None, 0, 0, 0, 0, 0, time.monotonic() - started)
         base = next((s for s in reversed(older) if s.uuid.hex() in held), None)
         if base is not None and held[base.uuid.hex()]["changed_since"]:
             if not force:
@@ -106,8 +108,8 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
         mirror.commit(source.uuid, base.uuid.hex() if base else None,
                       SnapshotRef(snap.name, snap.uuid.hex(), snap.created_ns), cs,
                       reconcile=reconciling)
-        entries = sum(cs.report.values()) if base else len(cs.entries) + len(cs.inodes)
-        return CycleResult(snap.name, base.name if base else None, entries, sent.chunks,
+        return CycleResult(snap.name, base.name if base else None, len(cs.entries),
+                           len(cs.inodes), sent.chunks,
                            sent.bytes, sum(wanted.values()) - sent.bytes,
                            time.monotonic() - started, diff_seconds)
     finally:

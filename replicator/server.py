@@ -139,7 +139,8 @@ class Receiver:
                          bool(req.get("reconcile")))
         async with self.write_lock:
             await trio.to_thread.run_sync(mirror.purge_deleted, self.store)
-        log.info("committed snapshot %s (%d entries)", snap.name, len(cs.entries))
+        log.info("committed snapshot %s (%d names and %d inodes changed)", snap.name,
+                 len(cs.entries), len(cs.inodes))
         return JSONResponse({"ok": True})
 
     async def rollback(self, request: Request):

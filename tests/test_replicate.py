@@ -382,8 +382,8 @@ def test_cli_replicate_json_summary(mounted, tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     summary = json.loads(out)
-    assert set(summary) == {"snapshot", "base", "entries", "chunks_sent", "bytes_sent",
-                            "bytes_skipped", "seconds"}
+    assert set(summary) == {"snapshot", "base", "entries", "inodes", "chunks_sent",
+                            "bytes_sent", "bytes_skipped", "seconds"}
     assert summary["snapshot"].startswith("repl-") and summary["base"] is None
     assert summary["bytes_sent"] == 100_000
     proc = snapctl_replicate(m, mirror, "--snapshot", "no-such-snapshot")

@@ -27,8 +27,16 @@ def install(tmp_path: Path, *args) -> subprocess.CompletedProcess:
 
 
 def test_install_writes_units_store_and_config(tmp_path):
+    token = tmp_path / "token"
     res = install(tmp_path, "demo", tmp_path / "store", tmp_path / "mnt",
-                  "http://backup:8765", "/etc/mountfs/token")
+                  "http://backup:8765", token)
+    assert res.returncode == 2                         # the token file must exist first
+    assert res.stderr.strip().endswith(f"mirror http://backup:8765: token_file {token} "
+                                       f"does not exist or cannot be read")
+    token.write_text("t" * 32)
+    (tmp_path / "etc/demo.toml").unlink()
+    res = install(tmp_path, "demo", tmp_path / "store", tmp_path / "mnt",
+                  "http://backup:8765", token)
     assert res.returncode == 0, res.stderr
     units = tmp_path / "units"
     for unit in ("mountfs@.service", "mountfsd@.service"):
@@ -36,7 +44,10 @@ def test_install_writes_units_store_and_config(tmp_path):
         assert "@BINDIR@" not in text and str(Path(sys.executable).parent) in text
     assert (tmp_path / "store/data.mdb").exists()
     assert (tmp_path / "etc/demo.env").read_text().startswith(f"STORE={tmp_path}/store\n")
-    assert 'url = "http://backup:8765"' in (tmp_path / "etc/demo.toml").read_text()
+    config = (tmp_path / "etc/demo.toml").read_text()
+    assert 'url = "http://backup:8765"' in config
+    assert "stall_timeout" in config and "ca_file" in config
+    assert (tmp_path / "mnt").is_dir()
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,

@@ -1,0 +1,335 @@
+"""Replication and status as a user meets them (issue 9, points 6 to 14): every command run
+as a separate process, as a user would, against real mounts, mirrors and receivers."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TOKEN, cli, free_port
+from test_daemon import write_config
+from test_replicate import tamper
+
+TOP = Path(__file__).resolve().parent.parent
+
+
+def snapshots(m) -> list[str]:
+    return [json.loads(line)["name"] for line in m.snapctl("list", "--json").stdout.splitlines()]
+
+
+def one_line_error(res: subprocess.CompletedProcess, code: int = 1) -> str:
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    return res.stderr.strip()
+
+
+def replicate(m, url: str, *args, env=None):
+    return cli("snapctl", "-m", m.mnt, "replicate", "--to", url, *args, check=False, env=env)
+
+
+# ---- 6: status and check without --config; UNKNOWN when a check cannot run ----------------
+
+def test_a_check_that_cannot_run_is_unknown(tmp_path):
+    res = cli("snapctl", "check", check=False)                 # not inside a mountfs mount
+    assert res.returncode == 3 and res.stdout.startswith("UNKNOWN: "), res
+    res = cli("snapctl", "check", "--config", tmp_path / "missing.toml", check=False)
+    assert res.returncode == 3 and res.stdout.startswith("UNKNOWN: "), res
+    assert "cannot read" in res.stdout
+
+
+# ---- 7 and 10: failed replicates leave nothing behind and say one line -------------------
+
+def test_failed_replicates_are_one_line_and_leave_no_snapshot(mounted, receiver, tmp_path):
+    m = mounted
+    (m.mnt / "f").write_text("data")
+    m.snapctl("create", "mine")
+    not_a_store = tmp_path / "not-a-store"
+    not_a_store.mkdir()
+    (not_a_store / "x").write_text("x")
+    wrong_token = tmp_path / "wrong-token"
+    wrong_token.write_text("not-the-token-at-all-0123456789")
+    r = receiver()
+    with_token = dict(os.environ, MOUNTFS_TOKEN=TOKEN)
+    cases = [
+        ((f"http://127.0.0.1:{free_port()}",), with_token, "cannot reach the mirror"),
+        ((r.url, "--token-file", wrong_token), None, "refused the token (401)"),
+        ((r.url, "--token-file", tmp_path / "no-such-token"), None, "cannot read token file"),
+        ((f"https://127.0.0.1:{r.port}",), with_token, "cannot reach the mirror"),   # TLS
+        ((f"file://{not_a_store}",), None, "is not a mountfs store"),
+        (("file:///proc/foo",), None, "/proc/foo"),
+        (("file:///etc/passwd",), None, "/etc/passwd"),
+    ]
+    for args, env, message in cases:
+        err = one_line_error(replicate(m, *args, env=env))
+        assert err.startswith("snapctl: ") and message in err, (args, err)
+        assert snapshots(m) == ["mine"], args
+    assert not os.path.exists("/proc/foo") and (not_a_store / "x").read_text() == "x"
+
+
+def test_a_run_that_fails_after_its_snapshot_removes_it(mounted, tmp_path):
+    m, mirror = mounted, tmp_path / "mirror"
+    (m.mnt / "f").write_text("1")
+    res = replicate(m, f"file://{mirror}", "--json")
+    assert res.returncode == 0, res.stderr
+    base = json.loads(res.stdout)["snapshot"]
+    tamper(mirror)                                   # the mirror changed since its base
+    (m.mnt / "f").write_text("2")
+    err = one_line_error(replicate(m, f"file://{mirror}"))
+    assert "has changed since its copy" in err
+    assert snapshots(m) == [base]                    # the refused run's snapshot is gone
+
+
+def test_replicates_started_together_take_distinct_snapshots(mounted, tmp_path):
+    m = mounted
+    (m.mnt / "f").write_text("x")
+    procs = [subprocess.Popen([sys.executable, "-m", "cmdline.snapctl", "-m", str(m.mnt),
+                               "replicate", "--to", f"file://{tmp_path}/mirror{i}", "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(3)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), results
+    names = {json.loads(out)["snapshot"] for out, _ in results}
+    assert len(names) == 3 and sorted(names) == snapshots(m)
+
+
+# ---- 9: a mirror inside the source ---------------------------------------------------------
+
+def test_a_mirror_inside_the_source_is_refused(mounted):
+    m = mounted
+    (m.mnt / "sub").mkdir()
+    for target in (m.mnt / "sub" / "mirror", m.mnt / "sub", m.store / "mirror"):
+        err = one_line_error(replicate(m, f"file://{target}"))
+        assert "is inside the source" in err, err
+    assert list((m.mnt / "sub").iterdir()) == [] and not (m.store / "mirror").exists()
+    assert snapshots(m) == []
+
+
+# ---- 8: configured mirrors, others apart, forget-mirror -------------------------------------
+
+def test_only_configured_mirrors_count_and_forget_mirror_drops_one(mounted, tmp_path):
+    m = mounted
+    kept, gone = f"file://{tmp_path}/kept", f"file://{tmp_path}/gone"
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    (m.mnt / "f").write_text("1")
+    m.snapctl("create", "s1")
+    assert replicate(m, gone, "--snapshot", "s1").returncode == 0
+    (m.mnt / "f").write_text("2")
+    m.snapctl("create", "s2")
+    assert replicate(m, kept, "--snapshot", "s2").returncode == 0
+    time.sleep(2.5)                                  # 'gone' lags more than 2 s
+    config = write_config(tmp_path / "data.toml", m.mnt, tmp_path / "state", kept, token)
+    config.write_text(config.read_text().replace('lag_warning = "30s"', 'lag_warning = "1s"')
+                      .replace('lag_critical = "120s"', 'lag_critical = "2s"'))
+
+    report = json.loads(m.snapctl("status", "--config", config, "--json").stdout)
+    assert list(report["mirrors"]) == [kept] and list(report["other_mirrors"]) == [gone]
+    text = m.snapctl("status", "--config", config).stdout
+    assert "not configured" in text and gone in text.split("not configured")[1]
+    res = m.snapctl("check", "--config", config, check=False)
+    assert res.returncode == 0 and res.stdout.startswith(f"OK: data -> {kept}: lag 0s"), res
+
+    # without a config (and no daemon): every mirror replicated to counts; the line names the
+    # one over the threshold first
+    res = m.snapctl("check", "--warning", "1s", "--critical", "2s", check=False)
+    assert res.returncode == 2, res
+    assert re.match(rf"CRITICAL: \S+ -> {gone}: lag \d+s \(over critical 2s\); ", res.stdout)
+    assert one_line_error(m.snapctl("delete", "s1", check=False)).endswith("pass --force")
+
+    assert m.snapctl("forget-mirror", gone).stdout.strip() == \
+        f"forgot mirror {gone} (its base snapshot is no longer held)"
+    res = m.snapctl("check", "--warning", "1s", "--critical", "2s", check=False)
+    assert res.returncode == 0 and gone not in res.stdout, res
+    m.snapctl("delete", "s1")                        # no longer held
+    err = one_line_error(m.snapctl("forget-mirror", gone, check=False))
+    assert err.startswith(f"snapctl: no mirror {gone} is recorded")
+
+
+# ---- 6, 13: the daemon's status file without --config, across a restart; quiet httpx -------
+
+def test_status_without_config_reads_the_daemon_and_survives_its_restart(mounted, receiver,
+                                                                          daemon, tmp_path):
+    from test_daemon import mirror_is_current, wait_for
+    m, r, state = mounted, receiver(), tmp_path / "state"
+    config = write_config(tmp_path / "data.toml", m.mnt, state, r.url, tmp_path / "token")
+    (m.mnt / "f").write_text("hello")
+    d = daemon(config)
+    wait_for("the mirror", lambda: mirror_is_current(m, config, r.url))
+    env = dict(os.environ, MOUNTFS_STATE_DIR=str(state))
+    res = cli("snapctl", "-m", m.mnt, "status", env=env)
+    assert f"{r.url}: base auto-" in res.stdout and "last success never" not in res.stdout
+    res = cli("snapctl", "-m", m.mnt, "check", env=env, check=False)
+    assert res.returncode == 0 and res.stdout.startswith(f"OK: data -> {r.url}: lag 0s"), res
+    assert d.stop() == 0
+    assert "HTTP Request" not in d.text()            # httpx at INFO: not one line a request
+
+    d2 = daemon(config)
+    wait_for("the new daemon's status", lambda: json.loads(
+        (state / "data.json").read_text())["pid"] == d2.proc.pid)
+    report = json.loads(cli("snapctl", "-m", m.mnt, "status", "--json", env=env).stdout)
+    assert report["mirrors"][r.url]["last_success_ns"] is not None
+    assert report["mirrors"][r.url]["cycles_total"] >= 1
+
+
+# ---- 11: progress on a terminal; client and receiver count alike ---------------------------
+
+def run_on_a_terminal(args: list[str], timeout: float = 300) -> tuple[int, str]:
+    """Run ``args`` with stderr on a pseudo-terminal; (status, what the terminal showed)."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=slave)
+    os.close(slave)
+    shown, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                data = os.read(master, 4096)
+            except OSError:                          # the child closed the terminal
+                break
+            if not data:
+                break
+            shown += data
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    proc.stdout.read()
+    return proc.wait(timeout=timeout), shown.decode(errors="replace")
+
+
+def test_a_replicate_on_a_terminal_shows_what_it_does_and_its_progress(mounted, tmp_path):
+    m = mounted
+    for i in range(6):
+        (m.mnt / f"f{i}").write_bytes(os.urandom(1 << 20))
+    status, shown = run_on_a_terminal(
+        [sys.executable, "-m", "cmdline.snapctl", "-m", str(m.mnt), "replicate", "--to",
+         f"file://{tmp_path}/mirror", "--batch-size", "1M", "--spark-threshold", "1G"])
+    assert status == 0, shown
+    assert "listing the snapshot for a full copy" in shown
+    assert "asking the mirror which of 6 chunks it lacks" in shown
+    assert re.search(r"sending 6 chunks: +\d+%.*B/s", shown), shown    # tqdm: bytes, rate
+
+
+def test_client_and_receiver_report_the_same_counts(mounted, receiver, tmp_path):
+    m, r = mounted, receiver()
+    (m.mnt / "d").mkdir()
+    for i in range(5):
+        (m.mnt / "d" / f"f{i}").write_text(str(i))
+        os.link(m.mnt / "d" / f"f{i}", m.mnt / f"link{i}")
+    env = dict(os.environ, MOUNTFS_TOKEN=TOKEN)
+    res = replicate(m, r.url, "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    r.stop()
+    logged = re.search(r"committed snapshot (\S+) \((\d+) names and (\d+) inodes changed\)",
+                       r.proc.stderr.read())
+    assert logged, "the receiver did not log its commit"
+    assert logged.groups() == (summary["snapshot"], str(summary["entries"]),
+                               str(summary["inodes"]))
+    assert (summary["entries"], summary["inodes"]) == (11, 7)      # names; root, d, 5 files
+
+
+# ---- 12: diff --stat counts what changed ---------------------------------------------------
+
+def test_diff_stat_counts_the_bytes_that_changed(mounted):
+    m = mounted
+    (m.mnt / "d").mkdir()
+    for i in range(62):
+        (m.mnt / "d" / f"f{i}").write_bytes(b"x" * 10)
+    (m.mnt / "big").write_bytes(os.urandom(100_000))
+    m.snapctl("create", "s1")
+    subprocess.run(["rm", "-rf", str(m.mnt / "d")], check=True)
+    with open(m.mnt / "big", "ab") as f:
+        f.write(b"123456789")
+    (m.mnt / "new").mkdir()
+    (m.mnt / "new" / "n").write_bytes(b"y" * 1000)
+    m.snapctl("create", "s2")
+    rows = {line.split()[0]: line.split()[1:]
+            for line in m.snapctl("diff", "s1", "s2", "--stat").stdout.splitlines()[1:]}
+    assert rows["delete"] == ["1", "0", "-620"]               # 62 files of 10 bytes
+    assert rows["modify"] == ["2", "100009", "+9"]            # the one chunk of big, rewritten
+    assert rows["create"] == ["1", "1000", "+1000"]           # new/ and what it holds
+    assert rows["rename"] == ["0", "0", "+0"]
+
+
+# ---- 13: interfaces agree with their docs --------------------------------------------------
+
+def test_commands_take_options_where_the_docs_put_them(store, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cli("mountfs", "mount", store, mnt, "-v")                 # README: mount ... -v
+    try:
+        assert "created snapshot x" in cli("snapctl", "create", "-m", mnt, "x").stdout
+        assert "x" in cli("snapctl", "list", "--store", store, "-m", mnt).stdout
+        res = cli("snapctl", "-m", mnt, "check", "--warning", "5m", "--critical", "1h",
+                  check=False)
+        assert res.stdout.startswith("OK: "), res                # no mirror: OK
+        err = one_line_error(cli("snapctl", "-m", mnt, "check", "--warning", "soon",
+                                 check=False), code=2)
+        assert "expected a duration like 30s, 5m" in err
+    finally:
+        cli("mountfs", "umount", mnt)
+    assert "Usage: snapctl diff [OPTIONS] FROM [TO]" in cli("snapctl", "diff", "--help").stdout
+
+
+def test_version_and_help_everywhere():
+    for tool in ("mountfs", "snapctl", "mountfsd"):
+        res = subprocess.run([Path(sys.executable).parent / tool, "--version"],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and re.fullmatch(rf"{tool} \d+\.\d+\.\d+\n", res.stdout), res
+    for tool in ("mountfs", "snapctl"):
+        text = cli(tool, "--help").stdout
+        assert "..." not in text.split("Commands:")[1], text   # descriptions are not cut
+    res = subprocess.run([sys.executable, "-m", "daemon.cli", "--bogus"], capture_output=True,
+                         text=True, timeout=60)
+    assert one_line_error(res, code=2).startswith("mountfsd: No such option '--bogus'")
+
+
+def test_install_systemd_help_installs_nothing(tmp_path):
+    env = dict(os.environ, DEST=str(tmp_path / "units"), CONFIG_DIR=str(tmp_path / "etc"))
+    res = subprocess.run(["bash", TOP / "scripts/install-systemd", "--help"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "install-systemd NAME STORE MOUNTPOINT" in res.stdout
+    assert not (tmp_path / "units").exists() and not (tmp_path / "etc").exists()
+
+
+def test_one_parser_for_sizes_and_durations_and_a_thorough_check(tmp_path):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    config = write_config(tmp_path / "data.toml", mnt, tmp_path / "state",
+                          "http://backup:8765", token, extra_fs='spark_threshold = "16M"')
+
+    def check():
+        return subprocess.run([sys.executable, "-m", "daemon.cli", "--check", "--config",
+                               str(config)], capture_output=True, text=True, timeout=60)
+    assert check().returncode == 0, check().stderr
+    token.unlink()
+    assert one_line_error(check(), code=2).endswith(
+        f"mirror http://backup:8765: token_file {token} does not exist or cannot be read")
+    token.write_text(TOKEN)
+    mnt.rmdir()
+    assert one_line_error(check(), code=2).endswith(
+        f"filesystem 'data': mountpoint {mnt} does not exist or is not a directory")
+
+
+# ---- 14: the docs stand on their own -------------------------------------------------------
+
+def test_readme_points_only_inside_the_project():
+    readme = (TOP / "README.md").read_text()
+    assert "../" not in readme
+    for path in re.findall(r"`((?:docs|scripts|systemd)/[\w./@-]+)`", readme):
+        assert (TOP / path).exists(), path
+    for key in ("ca_file", "stall_timeout"):
+        assert key in readme
