@@ -6,7 +6,7 @@ FROM, and inside it only the names its ``changelog`` lists for epochs (FROM, TO]
 at (an entry that changed, or whose inode or subtree changed). A regular file's changed chunks
 come from its ``chunklog`` the same way. Nothing here lists a directory or a chunk map.
 
-The report follows HDFS snapshot diffs (DESIGN.md, ../shared/notes/hdfs-snapshot-diff.md):
+The report follows HDFS snapshot diffs (HDFS-7535, HDFS-8828, DistCp -diff):
 
 * DELETE and RENAME sources are FROM paths; RENAME targets, CREATE and MODIFY are TO paths;
 * a created directory's contents are implied by its CREATE, and a deleted one's by its DELETE;
