@@ -8,6 +8,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TOKEN, cli, free_port
-from test_daemon import write_config
+from test_daemon import daemon, mirror_is_current, wait_for, write_config  # noqa: F401 (fixture)
 from test_replicate import tamper
 
 TOP = Path(__file__).resolve().parent.parent
@@ -159,7 +160,6 @@ def test_only_configured_mirrors_count_and_forget_mirror_drops_one(mounted, tmp_
 
 def test_status_without_config_reads_the_daemon_and_survives_its_restart(mounted, receiver,
                                                                           daemon, tmp_path):
-    from test_daemon import mirror_is_current, wait_for
     m, r, state = mounted, receiver(), tmp_path / "state"
     config = write_config(tmp_path / "data.toml", m.mnt, state, r.url, tmp_path / "token")
     (m.mnt / "f").write_text("hello")
@@ -333,3 +333,74 @@ def test_readme_points_only_inside_the_project():
         assert (TOP / path).exists(), path
     for key in ("ca_file", "stall_timeout"):
         assert key in readme
+
+
+# ---- 10: Ctrl-C during a Spark transfer ----------------------------------------------------
+
+def test_ctrl_c_during_a_spark_transfer_is_one_line_and_the_rerun_resumes(mounted, tmp_path):
+    from test_replicate import staged_count
+    m, mirror = mounted, tmp_path / "mirror"
+    for i in range(40):
+        (m.mnt / f"f{i}").write_bytes(os.urandom(1 << 20))
+    args = [sys.executable, "-m", "cmdline.snapctl", "-m", str(m.mnt), "replicate", "--to",
+            f"file://{mirror}", "--batch-size", "1M", "--spark-threshold", "0"]
+    # its own process group, as a shell gives a foreground job: Ctrl-C reaches all of it
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    while staged_count(mirror) == 0 and proc.poll() is None:
+        assert time.monotonic() < deadline, "the transfer never started"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert err.strip() == ("snapctl: interrupted; chunks that arrived are kept on the mirror: "
+                           "run the same command again to resume")
+    assert snapshots(m) == []                        # the run's snapshot went with it
+    staged = staged_count(mirror)
+    res = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["bytes_sent"] <= (40 - staged) * (1 << 20)
+
+
+# ---- README's commands work as written -----------------------------------------------------
+
+COMMANDS = ("mountfs ", "snapctl ", "echo ", "cat ", "mkdir ", "mv ")
+
+
+def readme_steps(section: str) -> list[tuple[str, list[str]]]:
+    """(command, the output lines README shows under it) of the first sh block of
+    ``## section``; comments after two spaces are dropped."""
+    text = (TOP / "README.md").read_text().split(f"## {section}\n", 1)[1]
+    block = text.split("```sh\n", 1)[1].split("```", 1)[0]
+    steps: list[tuple[str, list[str]]] = []
+    for line in block.splitlines():
+        if line.startswith(COMMANDS):
+            steps.append((line.split("  #")[0].strip(), []))
+        elif steps and line.strip() and not line.startswith(("export ", "#")):
+            steps[-1][1].append(line)
+    return steps
+
+
+def test_readme_commands_work_as_written(tmp_path):
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    (tmp_path / "data").mkdir()
+
+    def run(command: str, shown: list[str]) -> None:
+        command = command.replace("/srv/store", str(tmp_path / "store")) \
+            .replace("/mnt/data", str(tmp_path / "data"))
+        res = subprocess.run(["bash", "-c", command], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, (command, res.stdout, res.stderr)
+        if shown:
+            assert res.stdout.splitlines() == shown, (command, res.stdout)
+
+    try:
+        for command, shown in readme_steps("Using it"):
+            run(command, shown)
+        run("mountfs mount /srv/store /mnt/data", [])
+        for command, shown in readme_steps("What changed between two snapshots"):
+            run(command, shown)
+    finally:
+        subprocess.run([Path(sys.executable).parent / "mountfs", "umount", tmp_path / "data"],
+                       capture_output=True, timeout=120)
