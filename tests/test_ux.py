@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -160,11 +161,17 @@ def test_only_configured_mirrors_count_and_forget_mirror_drops_one(mounted, tmp_
 
 def test_status_without_config_reads_the_daemon_and_survives_its_restart(mounted, receiver,
                                                                           daemon, tmp_path):
-    m, r, state = mounted, receiver(), tmp_path / "state"
-    config = write_config(tmp_path / "data.toml", m.mnt, state, r.url, tmp_path / "token")
+    m, r, state, port = mounted, receiver(), tmp_path / "state", free_port()
+    config = write_config(tmp_path / "data.toml", m.mnt, state, r.url, tmp_path / "token",
+                          metrics=f'metrics_listen = "127.0.0.1:{port}"')
     (m.mnt / "f").write_text("hello")
+    by_hand = f"file://{tmp_path}/by-hand"           # replicated to once, not configured
+    assert replicate(m, by_hand).returncode == 0
+    (m.mnt / "g").write_text("changed since")
     d = daemon(config)
     wait_for("the mirror", lambda: mirror_is_current(m, config, r.url))
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    assert f'mirror="{r.url}"' in metrics and by_hand not in metrics
     env = dict(os.environ, MOUNTFS_STATE_DIR=str(state))
     res = cli("snapctl", "-m", m.mnt, "status", env=env)
     assert f"{r.url}: base auto-" in res.stdout and "last success never" not in res.stdout
