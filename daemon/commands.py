@@ -121,8 +121,9 @@ def status(ctx, config_path, as_json):
         if d and d["last_error"]:
             click.echo(f"  error: {d['last_error']}")
         for url, m in r["mirrors"].items():
-            click.echo(f"{_mirror_line(url, m)}; last success "
-                       f"{_ago(m.get('last_success_ns'))}")
+            known = "last_success_ns" in m         # the daemon's record of this mirror
+            click.echo(_mirror_line(url, m) +
+                       (f"; last success {_ago(m['last_success_ns'])}" if known else ""))
             if m.get("last_cycle"):
                 c = m["last_cycle"]
                 click.echo(f"    last cycle: {c['entries']} names and {c.get('inodes', 0)} "

@@ -56,8 +56,12 @@ def store_figures(store_path: str, urls: list[str] | None,
             live = snaps.live_epoch(txn, dbs)
             root = View(txn, dbs, live, store.chunk_size).get(S.ROOT_INO)
             by_uuid = {s.uuid: s for s in all_snaps}
-            bases = {label: by_uuid.get(snap_uuid) for _, snap_uuid, label in
-                     snaps.holds(txn, dbs)}
+            bases: dict = {}           # a URL replicated to again after its store was
+            for _, snap_uuid, label in snaps.holds(txn, dbs):     # replaced: the newest base
+                held = by_uuid.get(snap_uuid)
+                if label not in bases or (held and (bases[label] is None or
+                                                    held.epoch > bases[label].epoch)):
+                    bases[label] = held
             out = StoreFigures(all_snaps[-1].name if all_snaps else None,
                                all_snaps[-1].created_ns if all_snaps else None,
                                root.mepoch > (all_snaps[-1].epoch if all_snaps else 0))

@@ -45,11 +45,15 @@ class LocalMirror:
 
     def __init__(self, path: Path, chunk_size: int, create: bool = True):
         path = path.absolute()
-        if create and not (path / "data.mdb").exists():
-            if path.exists() and any(path.iterdir()):
-                raise StoreError(f"{path} exists and is not a mountfs store")
-            Store.mkfs(path, chunk_size)
-        self.store = Store.open(path, holder="replication")
+        try:
+            if create and not (path / "data.mdb").exists():
+                if path.exists() and (not path.is_dir() or any(path.iterdir())):
+                    raise StoreError(f"{path} exists and is not a mountfs store")
+                Store.mkfs(path, chunk_size)
+            self.store = Store.open(path, holder="replication")
+        except OSError as e:
+            raise StoreError(f"cannot use {path} as a mirror store: {e.strerror}; choose a "
+                             f"directory this host can create and write") from None
         self.sink = FileSink(str(path))
 
     def info(self) -> dict:

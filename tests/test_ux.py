@@ -411,3 +411,20 @@ def test_readme_commands_work_as_written(tmp_path):
     finally:
         subprocess.run([Path(sys.executable).parent / "mountfs", "umount", tmp_path / "data"],
                        capture_output=True, timeout=120)
+
+
+def test_a_mirror_replaced_at_the_same_url_is_reported_at_its_new_base(mounted, tmp_path):
+    import shutil
+    m, mirror = mounted, tmp_path / "mirror"
+    (m.mnt / "f").write_text("1")
+    m.snapctl("create", "old")
+    assert replicate(m, f"file://{mirror}", "--snapshot", "old").returncode == 0
+    shutil.rmtree(mirror)                            # the mirror is replaced by a new store
+    (m.mnt / "f").write_text("2")
+    m.snapctl("create", "new")
+    assert replicate(m, f"file://{mirror}", "--snapshot", "new").returncode == 0
+    report = json.loads(m.snapctl("status", "--json").stdout)
+    assert report["mirrors"][f"file://{mirror}"]["base"] == "new"
+    m.snapctl("forget-mirror", f"file://{mirror}")  # drops both records of that URL
+    m.snapctl("delete", "old")
+    m.snapctl("delete", "new")
