@@ -44,20 +44,8 @@ def _one_line(e: click.UsageError) -> click.UsageError:
     return OneLineUsageError(e.format_message(), e.ctx)
 
 
-class OneLineCommand(click.Command):
-    """A command (mountfsd) whose usage errors are one line on stderr with status 2."""
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as e:
-            raise _one_line(e) from None
-
-
-class OneLineGroup(click.Group):
-    """A command group (mountfs, snapctl) whose usage errors, its own or its commands', are
-    one line on stderr with status 2, and whose --help shows each command's whole first
-    sentence (click cuts them at 45 characters)."""
+class _OneLine:
+    """Usage errors, from parsing or raised by the command itself, as one line."""
 
     def make_context(self, info_name, args, parent=None, **extra):
         try:
@@ -70,6 +58,16 @@ class OneLineGroup(click.Group):
             return super().invoke(ctx)
         except click.UsageError as e:
             raise _one_line(e) from None
+
+
+class OneLineCommand(_OneLine, click.Command):
+    """A command (mountfsd) whose usage errors are one line on stderr with status 2."""
+
+
+class OneLineGroup(_OneLine, click.Group):
+    """A command group (mountfs, snapctl) whose usage errors, its own or its commands', are
+    one line on stderr with status 2, and whose --help shows each command's whole first
+    sentence (click cuts them at 45 characters)."""
 
     def format_commands(self, ctx, formatter) -> None:
         rows = []

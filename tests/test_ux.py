@@ -300,6 +300,9 @@ def test_version_and_help_everywhere():
     res = subprocess.run([sys.executable, "-m", "daemon.cli", "--bogus"], capture_output=True,
                          text=True, timeout=60)
     assert one_line_error(res, code=2).startswith("mountfsd: No such option '--bogus'")
+    res = subprocess.run([sys.executable, "-m", "daemon.cli"], capture_output=True, text=True,
+                         timeout=60)
+    assert one_line_error(res, code=2).startswith("mountfsd: give NAME")
 
 
 def test_install_systemd_help_installs_nothing(tmp_path):
