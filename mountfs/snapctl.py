@@ -198,7 +198,7 @@ def delete_snapshot(where: Target, name: str, force: bool = False) -> None:
 @click.option("--chunks", is_flag=True,
               help="For modified files, list the changed chunks (index, offset, length, digest).")
 @click.option("--stat", "as_stat", is_flag=True, help="Per kind of change: entries, bytes of "
-              "the chunks written, and the change in file sizes.")
+              "the chunks written, and the change in file sizes (with --json: one object).")
 @click.pass_context
 def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
     """What changed from snapshot FROM to snapshot TO ('.' is the live tree, the default).
@@ -240,7 +240,7 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
             if as_stat:
                 from .namespace import View
                 _print_stat(entries, View(txn, store.db, lo, store.chunk_size),
-                            View(txn, store.db, hi, store.chunk_size))
+                            View(txn, store.db, hi, store.chunk_size), as_json)
             elif as_json:
                 for e in entries:
                     click.echo(json.dumps(e.to_json()))
@@ -253,7 +253,7 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
         store.close()
 
 
-def _print_stat(entries, before, after) -> None:
+def _print_stat(entries, before, after, as_json: bool) -> None:
     """Per kind of change: entries, the bytes of the chunks written (whole chunks: what a
     mirror may need), and how file sizes changed. ``before`` and ``after`` are Views of
     FROM and TO: the old size of a modified file, and the files inside a created or deleted
@@ -273,6 +273,10 @@ def _print_stat(entries, before, after) -> None:
         elif e.op == "modify" and e.type == "file":
             written[e.op] += sum(c.length for c in e.chunks or ())
             grown[e.op] += (e.size or 0) - before.get(e.ino).size
+    if as_json:
+        click.echo(json.dumps({op: {"entries": counts[op], "chunk_bytes_written": written[op],
+                                    "file_size_change": grown[op]} for op in ops}))
+        return
     click.echo(f"{'CHANGE':<8} {'ENTRIES':>10} {'CHUNK BYTES WRITTEN':>20} "
                f"{'FILE SIZE CHANGE':>17}")
     for op in ops:

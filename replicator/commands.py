@@ -178,12 +178,13 @@ def _interrupted(where: snapctl.Target, ours: str | None) -> None:
     whose broken connection would otherwise print pages of py4j errors as Python exits:
     cancel what is left, silence it, and leave without running exit handlers."""
     logging.disable(logging.CRITICAL)
-    _quiet_stderr()
-    try:
-        from replicator import transfer
-        transfer.cancel_all()
-    except Exception:
-        pass                              # the JVM may be gone already: nothing to cancel
+    transfer = sys.modules.get("replicator.transfer")     # loaded: Spark may be running
+    if transfer is not None:
+        _quiet_stderr(transfer.spark_log_path())
+        try:
+            transfer.cancel_all()
+        except Exception:
+            pass                          # the JVM may be gone already: nothing to cancel
     _drop(where, ours)
     click.echo("snapctl: interrupted; chunks that arrived are kept on the mirror: run the "
                "same command again to resume", err=True)
@@ -192,12 +193,11 @@ def _interrupted(where: snapctl.Target, ours: str | None) -> None:
     os._exit(INTERRUPTED)
 
 
-def _quiet_stderr() -> None:
+def _quiet_stderr(log_path: str) -> None:
     """Send file descriptor 2 (where py4j and the JVM write) to the Spark log; keep our own
     messages on the terminal through a duplicate."""
-    from replicator.transfer import spark_log_path
     saved = os.dup(2)
-    fd = os.open(spark_log_path(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 2)
     os.close(fd)
     sys.stderr = os.fdopen(saved, "w", buffering=1)

@@ -21,6 +21,7 @@ it CPU); its "bytes sent" is the chunk data the receiver stored.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -190,9 +191,9 @@ def change_tree(root: Path, changed: int, rng: random.Random) -> int:
 def diff_stat_bytes(mnt: Path, frm: str, to: str) -> int:
     """`snapctl diff FROM TO --stat`: the bytes of the changed chunks of modified files plus
     the sizes of created files."""
-    out = run(VENV_BIN / "snapctl", "-m", mnt, "diff", frm, to, "--stat").stdout
-    return sum(int(m) for m in re.findall(r"^(?:modify|create)\s+\d+ entries\s+(\d+) bytes",
-                                          out, re.MULTILINE))
+    stat = json.loads(run(VENV_BIN / "snapctl", "-m", mnt, "diff", frm, to, "--stat",
+                          "--json").stdout)
+    return stat["modify"]["chunk_bytes_written"] + stat["create"]["chunk_bytes_written"]
 
 
 def du_bytes(path: Path) -> int:

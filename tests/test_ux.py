@@ -267,6 +267,9 @@ def test_diff_stat_counts_the_bytes_that_changed(mounted):
     assert rows["modify"] == ["2", "100009", "+9"]            # the one chunk of big, rewritten
     assert rows["create"] == ["1", "1000", "+1000"]           # new/ and what it holds
     assert rows["rename"] == ["0", "0", "+0"]
+    as_json = json.loads(m.snapctl("diff", "s1", "s2", "--stat", "--json").stdout)
+    assert as_json["modify"] == {"entries": 2, "chunk_bytes_written": 100009,
+                                 "file_size_change": 9}
 
 
 # ---- 13: interfaces agree with their docs --------------------------------------------------
