@@ -117,6 +117,7 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
     one, never in between. Only chunks the mirror lacks travel (a Spark job). An interrupted
     run (Ctrl-C: exit status 130) can simply be run again: chunks that arrived are not sent
     twice. On a terminal, progress (bytes, rate, ETA) is shown on stderr."""
+    from replicator.cycle import COMMITTING
     where = snapctl.target_of(ctx)
     ours = None                           # the snapshot this run took, if any
     progress = Progress(enabled=not as_json and sys.stderr.isatty())
@@ -125,9 +126,12 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
         try:
             if name is None:
                 ours = name = snapctl.create_snapshot(where, _new_snapshot_name())["name"]
-            result = _cycle(where, mirror, name, force, spark_master, batch_size,
-                            spark_threshold, stall_timeout, progress)
-            ours = None                   # on the mirror now: it is the new base
+            try:
+                result = _cycle(where, mirror, name, force, spark_master, batch_size,
+                                spark_threshold, stall_timeout, progress)
+            finally:
+                if progress.last_phase == COMMITTING:
+                    ours = None           # the mirror may hold it now: it must stay
             snapctl.hold(where, mirror.info()["uuid"], result.snapshot, mirror_url)
         finally:
             progress.close()
@@ -149,10 +153,25 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
 def _cycle(where, mirror, name, force, spark_master, batch_bytes, inline_bytes,
            stall_seconds, progress):
     from replicator.cycle import replicate as run_cycle
+    from replicator.transfer import spark_log_path
+    _log_to(spark_log_path())
     return run_cycle(where.store, mirror, name, force=force, master=spark_master,
                      batch_bytes=batch_bytes, stall_seconds=stall_seconds,
                      progress=progress.update if progress.enabled else None,
                      inline_bytes=inline_bytes, phase=progress.phase)
+
+
+def _log_to(path: str) -> None:
+    """Python's log records go to the Spark log file, not the terminal: py4j logs through
+    the root logger (``logging.exception``), which would otherwise print tracebacks on
+    stderr when the JVM goes away (Ctrl-C reaches it too). What the user must see is
+    printed by the command itself, in one line."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: "
+                                               "%(message)s"))
+        root.addHandler(handler)
 
 
 def _message(e: Exception) -> str:
@@ -210,8 +229,10 @@ class Progress:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.bar = None
+        self.last_phase = None
 
     def phase(self, text: str) -> None:
+        self.last_phase = text
         if self.enabled and self.bar is None:
             click.echo(f"snapctl: {text}", err=True)
 

@@ -27,6 +27,9 @@ from .mirror import MirrorError, SnapshotRef
 from .verify import reconcile
 
 
+COMMITTING = "committing on the mirror"    # from here the mirror may hold the snapshot
+
+
 @dataclass
 class CycleResult:
     snapshot: str
@@ -105,6 +108,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
             phase(f"starting Spark to send {len(todo)} chunks ({todo_bytes} bytes)")
             sent = transfer.send(str(source.path), mirror.sink, chunk_batches, master=master,
                                  stall_seconds=stall_seconds, progress=progress)
+        phase(COMMITTING)
         mirror.commit(source.uuid, base.uuid.hex() if base else None,
                       SnapshotRef(snap.name, snap.uuid.hex(), snap.created_ns), cs,
                       reconcile=reconciling)

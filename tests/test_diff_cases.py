@@ -514,12 +514,13 @@ def test_text_stat_and_errors(mounted):
     assert res.stdout.splitlines() == ["M .", "R ./a -> ./a2", "- ./b", "+ ./c", "M ./z/m"]
     res = mounted.snapctl("diff", "s1", "s2", "--stat", check=False)
     assert res.returncode == 0
-    # bytes: created and deleted file sizes; for a modify, the data of its changed chunks
-    assert [line.split() for line in res.stdout.splitlines()] == [
-        ["create", "1", "entries", "3", "bytes"],
-        ["delete", "1", "entries", "1", "bytes"],
-        ["rename", "1", "entries", "0", "bytes"],
-        ["modify", "2", "entries", "5000", "bytes"]]
+    # entries; chunk bytes written (a created file's data, a modified one's changed chunks);
+    # the change in file sizes
+    assert [line.split() for line in res.stdout.splitlines()[1:]] == [
+        ["create", "1", "3", "+3"],
+        ["delete", "1", "0", "-1"],
+        ["rename", "1", "0", "+0"],
+        ["modify", "2", "5000", "+0"]]
     res = mounted.snapctl("diff", "s2", "s1", check=False)
     assert res.returncode == 1 and "newer than TO" in res.stderr and res.stdout == ""
     res = mounted.snapctl("diff", "nope", "s1", check=False)
