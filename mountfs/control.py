@@ -66,8 +66,19 @@ def mount_dir(mountpoint: str, create: bool = False) -> Path:
     return d
 
 
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), None if there is none: with
+    the pid, it names one process even after pids wrap around. A zombie counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 def mount_record(mountpoint: str) -> dict | None:
-    """{'pid', 'store', 'mountpoint', 'socket'} of the mount at ``mountpoint``, if any."""
+    """{'pid', 'start', 'store', 'mountpoint', 'socket'} of the mount at ``mountpoint``."""
     try:
         rec = json.loads((mount_dir(mountpoint) / RECORD_NAME).read_text())
     except (OSError, ValueError, StoreError):
@@ -111,7 +122,8 @@ class ControlServer:
         listener = trio.SocketListener(sock)
         record = self.dir / RECORD_NAME
         tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "store": str(self.engine.store.path),
+        tmp.write_text(json.dumps({"pid": os.getpid(), "start": process_start(os.getpid()),
+                                   "store": str(self.engine.store.path),
                                    "mountpoint": self.mountpoint, "socket": str(self.path)}))
         tmp.replace(record)
         task_status.started()

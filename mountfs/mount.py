@@ -209,41 +209,32 @@ def mount_background(store: str, mountpoint: str, allow_other: bool, read_only: 
     raise StoreError(text.removeprefix("ERROR "))
 
 
-def _server_pid(info: MountInfo) -> int | None:
-    """The process serving the mount at ``info.mountpoint``: its own record, or (a mount of
-    an older version) the store lock's holder if that names this mountpoint. Never another
-    process of the store (a writer beside a read-only mount, a mirror's receiver)."""
-    from .control import mount_record
+def _server(info: MountInfo) -> tuple[int, int | None] | None:
+    """(pid, start time) of the process serving the mount at ``info.mountpoint``: its own
+    record, or (a mount of an older version) the store lock's holder if that names this
+    mountpoint. Never another process of the store (a writer beside a read-only mount, a
+    mirror's receiver)."""
+    from .control import mount_record, process_start
     from .store import lock_holder
     rec = mount_record(info.mountpoint)
     if rec is not None and rec["store"] == info.store:
-        return rec["pid"]
+        return rec["pid"], rec.get("start")
     holder = lock_holder(info.store) or ""
     if holder.startswith("pid ") and holder.endswith(f" mounted at {info.mountpoint}"):
-        return int(holder.split()[1])
+        pid = int(holder.split()[1])
+        return pid, process_start(pid)
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:                        # a zombie has released everything already
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def umount(mountpoint: str, timeout: float = 120.0) -> None:
     """Unmount, then wait until the process that served this mountpoint has flushed, closed
     the store and exited: once this returns the store is free (fsck, another mount)."""
+    from .control import process_start
     mountpoint = os.path.abspath(mountpoint)
     info = next((m for m in mounts() if m.mountpoint == mountpoint), None)
     if info is None:
         raise StoreError(f"{mountpoint} is not a mountfs mount")
-    pid = _server_pid(info)
+    server = _server(info)
     dead = False
     try:
         os.stat(mountpoint)
@@ -254,12 +245,14 @@ def umount(mountpoint: str, timeout: float = 120.0) -> None:
     if res.returncode != 0:
         err = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"
         raise StoreError(f"cannot unmount {mountpoint}: {err}")
-    if pid is None:
+    if server is None:
         return
+    pid, start = server
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _alive(pid):
-            return
+        now = process_start(pid)
+        if now is None or (start is not None and now != start):
+            return              # exited (a zombie has released everything too)
         time.sleep(0.05)
     raise StoreError(f"unmounted, but the mount process {pid} has not exited after "
                      f"{timeout:.0f} s")
