@@ -209,6 +209,12 @@ def mount_background(store: str, mountpoint: str, allow_other: bool, read_only: 
     raise StoreError(text.removeprefix("ERROR "))
 
 
+def _holds_lock(info: MountInfo) -> bool:
+    """Whether the store lock is held by the mount at ``info.mountpoint``."""
+    from .store import lock_holder
+    return (lock_holder(info.store) or "").endswith(f" mounted at {info.mountpoint}")
+
+
 def _server(info: MountInfo) -> tuple[int, int | None] | None:
     """(pid, start time) of the process serving the mount at ``info.mountpoint``: its own
     record, or (a mount of an older version) the store lock's holder if that names this
@@ -220,7 +226,7 @@ def _server(info: MountInfo) -> tuple[int, int | None] | None:
     if rec is not None and rec["store"] == info.store:
         return rec["pid"], rec.get("start")
     holder = lock_holder(info.store) or ""
-    if holder.startswith("pid ") and holder.endswith(f" mounted at {info.mountpoint}"):
+    if holder.startswith("pid ") and _holds_lock(info):
         pid = int(holder.split()[1])
         return pid, process_start(pid)
     return None
@@ -251,8 +257,10 @@ def umount(mountpoint: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         now = process_start(pid)
-        if now is None or (start is not None and now != start):
-            return              # exited (a zombie has released everything too)
+        gone = now is None or (start is not None and now != start)   # a zombie counts
+        # The lock too: a pid seen from another pid namespace looks gone while it runs.
+        if gone and not _holds_lock(info):
+            return
         time.sleep(0.05)
     raise StoreError(f"unmounted, but the mount process {pid} has not exited after "
                      f"{timeout:.0f} s")
