@@ -189,6 +189,11 @@ def test_status_without_config_reads_the_daemon_and_survives_its_restart(mounted
     assert report["mirrors"][r.url]["last_success_ns"] is not None
     assert report["mirrors"][r.url]["cycles_total"] >= 1
 
+    config.write_text(config.read_text().split("[[filesystem.mirror]]")[0])
+    d2.signal(signal.SIGHUP)                         # the mirror is no longer configured
+    wait_for("its metrics to go", lambda: r.url not in urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/metrics").read().decode())
+
 
 # ---- 11: progress on a terminal; client and receiver count alike ---------------------------
 
