@@ -393,38 +393,38 @@ class Operations(pyfuse3.Operations):
 
     @guard
     async def read(self, fh, off, size):
+        """Served from one transaction in which every chunk read is already verified: a
+        flush committing a rewrite between the check and the read only means checking the
+        new chunks too (the old or the new data, never an error)."""
         h = self.handles[fh]
-        ino = h.real if h.of is None else h.of.ino
-        with self.engine.view(h.epoch if h.of is None else None) as v:
-            unchecked = self.engine.unverified(v, ino, off, size)
-        if unchecked:
-            await self.engine.verify(unchecked)
-        if h.of is None:
-            with self.engine.view(h.epoch) as v:
-                return v.read(h.real, off, size, h.size)
-        return self._read_live(h.of, off, size)
+        epoch, ino = (h.epoch, h.real) if h.of is None else (None, h.of.ino)
+        while True:
+            with self.engine.view(epoch) as v:
+                if not self.engine.unverified(v, ino, off, size):
+                    if h.of is None:
+                        return v.read(h.real, off, size, h.size)
+                    return self._read_live(v, h.of, off, size)
+            await self.engine.verify(epoch, ino, off, size)
 
-    def _read_live(self, of: OpenFile, off: int, size: int) -> bytes:
+    def _read_live(self, v, of: OpenFile, off: int, size: int) -> bytes:
         end = min(off + size, of.size)
         if off >= end:
             return b""
         if not of.dirty:
-            with self.engine.view() as v:
-                return v.read(of.ino, off, end - off, of.size)
+            return v.read(of.ino, off, end - off, of.size)
         cs = self.engine.chunk_size
         out = bytearray()
-        with self.engine.view() as v:
-            pos = off
-            while pos < end:
-                idx, within = divmod(pos, cs)
-                take = min(cs - within, end - pos)
-                data = self.engine.files.read(of, idx)
-                if data is None:
-                    out += v.read(of.ino, pos, take, of.size)
-                else:
-                    piece = data[within:within + take]
-                    out += piece + bytes(take - len(piece))
-                pos += take
+        pos = off
+        while pos < end:
+            idx, within = divmod(pos, cs)
+            take = min(cs - within, end - pos)
+            data = self.engine.files.read(of, idx)
+            if data is None:
+                out += v.read(of.ino, pos, take, of.size)
+            else:
+                piece = data[within:within + take]
+                out += piece + bytes(take - len(piece))
+            pos += take
         return bytes(out)
 
     @guard
