@@ -192,7 +192,8 @@ class FileCache:
             todo = [(idx, of.dirty[idx]) for idx in idxs if idx in of.dirty]
             per_step = max(1, STEP_BYTES // cs)
             for first in range(0, len(todo), per_step):
-                await self._commit_group(of, todo[first:first + per_step])
+                last = first + per_step >= len(todo)
+                await self._commit_group(of, todo[first:first + per_step], final and last)
             if final and of.mtime_ns is not None and not of.dirty:
                 mtime = of.mtime_ns
                 await self.engine.mutate(self._commit_attrs, of, of.size, mtime)
@@ -201,7 +202,10 @@ class FileCache:
             if of.opens == 0 and not of.dirty:
                 self.files.pop(of.ino, None)
 
-    async def _commit_group(self, of: OpenFile, group: list[tuple[int, DirtyChunk]]) -> None:
+    async def _commit_group(self, of: OpenFile, group: list[tuple[int, DirtyChunk]],
+                            whole: bool) -> None:
+        """``whole``: the group holds every dirty chunk, so the step also commits the file's
+        size and mtime (a close costs one commit, not two)."""
         copies = [(idx, dc, dc.gen, bytes(dc.data)) for idx, dc in group]
         size, mtime = of.size, of.mtime_ns
         datas = [data for _, _, _, data in copies]
@@ -211,15 +215,18 @@ class FileCache:
             digests = await trio.to_thread.run_sync(
                 lambda: [chunk_digest(d) for d in datas], limiter=HASH_THREADS)
         chunks = [(idx, digest, data) for (idx, _, _, data), digest in zip(copies, digests)]
-        await self.engine.mutate(self._commit_chunks, of, chunks, size, mtime)
+        whole = whole and len(copies) == len(of.dirty)
+        await self.engine.mutate(self._commit_chunks, of, chunks, size, mtime, whole)
         for idx, dc, gen, _ in copies:
             if of.dirty.get(idx) is dc and dc.gen == gen:
                 del of.dirty[idx]
                 self.dirty_bytes -= self.engine.chunk_size
                 self.flushed.set()
+        if whole and not of.dirty and of.mtime_ns == mtime:
+            of.mtime_ns = None                  # size and mtime went with the chunks
 
     def _commit_chunks(self, live, of: OpenFile, chunks: list[tuple[int, bytes, bytes]],
-                       size: int, mtime: int | None) -> None:
+                       size: int, mtime: int | None, whole: bool) -> None:
         """``size`` and ``mtime`` are the file's when the chunks were copied: writes that
         came while waiting for the commit are not in the data and must not be in the
         committed size (a snapshot would show zeros there). Runs in the committing thread:
@@ -233,6 +240,8 @@ class FileCache:
         for idx, digest, data in chunks:
             live.put_chunk(of.ino, idx, digest, data)
             new_size = max(new_size, min(size, of.size, (idx + 1) * cs))
+        if whole:                       # nothing else is dirty: the whole size is written
+            new_size = max(rec.size, min(size, of.size))
         live.save(of.ino, rec.evolve(size=new_size, mtime_ns=mtime or rec.mtime_ns,
                                      ctime_ns=mtime or rec.ctime_ns))
 
