@@ -129,7 +129,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._refuse(411, "Content-Length required")
         if self.path == "/v1/problem" and 0 < size <= MAX_PROBLEM:
             text = self.rfile.read(size).decode(errors="replace").splitlines()
-            owner.problem = text[0] if text else None
+            owner.problem = f"executor {self.client_address[0]}: {text[0]}" if text else None
             return self._refuse(200, "noted")
         if self.path != "/v1/chunks":
             return self._refuse(404, "only POST /v1/chunks or /v1/problem")

@@ -60,8 +60,12 @@ def spark_session(master: str | None = None):
                        .config("spark.python.worker.reuse", "true")
                        .config("spark.driver.extraJavaOptions", QUIET_LOGGING)
                        .config("spark.executor.extraJavaOptions", QUIET_LOGGING))
-            with _stderr_to(spark_log_path()):
-                _session = builder.getOrCreate()
+            try:
+                with _stderr_to(spark_log_path()):
+                    _session = builder.getOrCreate()
+            except Py4JError as e:
+                raise TransferFailed(f"cannot start Spark with master "
+                                     f"{master or EMBEDDED_MASTER}: {_spark_message(e)}") from None
             _session.sparkContext.setLogLevel("ERROR")
         return _session
 
@@ -301,7 +305,7 @@ def _spark_message(error: BaseException) -> str:
     ours = re.findall(r"^(?:mountfs|replicator)\.[\w.]+: (.+)$", text, re.MULTILINE)
     if ours:
         return ours[-1]
-    other = re.findall(r"^[\w.]*(?:Error|Exception): (.+)$", text, re.MULTILINE)
+    other = re.findall(r"^(?:: )?[\w.]*(?:Error|Exception): (.+)$", text, re.MULTILINE)
     if other:
         return other[-1]
     return text.splitlines()[0] if text else type(error).__name__
@@ -332,7 +336,7 @@ class _BatchSender:
             stored, nbytes = self.sink.put(chunks) if chunks else (0, 0)
         except Exception as e:
             if self.endpoint is not None:
-                self.endpoint.report(f"executor {self._executor()}: {e}")
+                self.endpoint.report(str(e))
             raise
         return {"executor": self._executor(), "chunks": stored, "bytes": nbytes,
                 "seconds": time.monotonic() - started}

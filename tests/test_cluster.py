@@ -28,11 +28,35 @@ from conftest import TOKEN, Mount, cli, free_port
 from test_daemon import mirror_is_current, status, wait_for, write_config
 from test_replicate import assert_mirror_equals, churn, populate, staged_count
 
-NS_WORKER, NS_RECEIVER = "mfs11-worker", "mfs11-recv"
-SOURCE_W, WORKER_S = "10.231.71.1", "10.231.71.2"      # source <-> worker
-SOURCE_R, RECEIVER_S = "10.231.72.1", "10.231.72.2"    # source <-> receiver (its URL)
-WORKER_R, RECEIVER_W = "10.231.73.1", "10.231.73.2"    # worker <-> receiver
-LINK_WORKER_RECEIVER = "mfs11x1"                       # the receiver's end, in NS_RECEIVER
+
+class Net:
+    """This run's names and addresses: slot N owns namespaces mfs11-N-w/-r, links m11-N-*
+    and 10.231.(74+3N .. 76+3N).0/30, claimed atomically (``ip netns add`` fails when the
+    namespace exists), so that runs in other checkouts at the same time cannot collide."""
+
+    def claim(self) -> "Net":
+        for n in range(59):
+            self.ns_worker, self.ns_receiver = f"mfs11-{n}-w", f"mfs11-{n}-r"
+            if ip("netns", "add", self.ns_worker, check=False).returncode == 0:
+                break
+        else:
+            raise AssertionError("no free network slot for the cluster test")
+        self.w0, self.w1, self.r0, self.r1, self.x0, self.x1 = (
+            f"m11-{n}-{k}" for k in ("w0", "w1", "r0", "r1", "x0", "x1"))
+        a, b, c = (f"10.231.{74 + 3 * n + i}" for i in range(3))
+        self.source_w, self.worker_s = f"{a}.1", f"{a}.2"      # source <-> worker
+        self.source_r, self.receiver_s = f"{b}.1", f"{b}.2"    # source <-> receiver (URL)
+        self.worker_r, self.receiver_w = f"{c}.1", f"{c}.2"    # worker <-> receiver
+        return self
+
+    def remove(self) -> None:
+        for ns in (self.ns_worker, self.ns_receiver):
+            ip("netns", "del", ns, check=False)
+        for link in (self.w0, self.r0):
+            ip("link", "del", link, check=False)
+
+
+NET = Net()
 SNAPCTL = str(Path(sys.executable).parent / "snapctl")
 
 pytestmark = [pytest.mark.fuse, pytest.mark.skipif(
@@ -68,39 +92,32 @@ def in_namespace(ns: str, cmd: list, hidden: Path | None = None) -> list:
             ISOLATE, "sh", str(hidden or ""), *map(str, cmd)]
 
 
-def _remove_network() -> None:
-    for ns in (NS_WORKER, NS_RECEIVER):
-        ip("netns", "del", ns, check=False)
-    for link in ("mfs11w0", "mfs11r0"):
-        ip("link", "del", link, check=False)
-
-
 @pytest.fixture(scope="module")
 def network():
     """Three namespaces' worth of veth links; the worker reaches the receiver's address
     through its own link to it (no forwarding anywhere)."""
-    _remove_network()
-    for ns in (NS_WORKER, NS_RECEIVER):
-        ip("netns", "add", ns)
+    NET.claim()
+    ip("netns", "add", NET.ns_receiver)
+    for ns in (NET.ns_worker, NET.ns_receiver):
         ip("-n", ns, "link", "set", "lo", "up")
-    for here, there, ns, mine, theirs in (("mfs11w0", "mfs11w1", NS_WORKER, SOURCE_W, WORKER_S),
-                                          ("mfs11r0", "mfs11r1", NS_RECEIVER, SOURCE_R,
-                                           RECEIVER_S)):
+    for here, there, ns, mine, theirs in (
+            (NET.w0, NET.w1, NET.ns_worker, NET.source_w, NET.worker_s),
+            (NET.r0, NET.r1, NET.ns_receiver, NET.source_r, NET.receiver_s)):
         ip("link", "add", here, "type", "veth", "peer", "name", there, "netns", ns)
         ip("addr", "add", f"{mine}/30", "dev", here)
         ip("link", "set", here, "up")
         ip("-n", ns, "addr", "add", f"{theirs}/30", "dev", there)
         ip("-n", ns, "link", "set", there, "up")
-    ip("-n", NS_WORKER, "link", "add", "mfs11x0", "type", "veth", "peer", "name",
-       LINK_WORKER_RECEIVER, "netns", NS_RECEIVER)
-    ip("-n", NS_WORKER, "addr", "add", f"{WORKER_R}/30", "dev", "mfs11x0")
-    ip("-n", NS_WORKER, "link", "set", "mfs11x0", "up")
-    ip("-n", NS_RECEIVER, "addr", "add", f"{RECEIVER_W}/30", "dev", LINK_WORKER_RECEIVER)
-    ip("-n", NS_RECEIVER, "link", "set", LINK_WORKER_RECEIVER, "up")
-    ip("-n", NS_WORKER, "route", "add", f"{RECEIVER_S}/32", "dev", "mfs11x0",
-       "src", WORKER_R)
-    yield
-    _remove_network()
+    ip("-n", NET.ns_worker, "link", "add", NET.x0, "type", "veth", "peer", "name",
+       NET.x1, "netns", NET.ns_receiver)
+    ip("-n", NET.ns_worker, "addr", "add", f"{NET.worker_r}/30", "dev", NET.x0)
+    ip("-n", NET.ns_worker, "link", "set", NET.x0, "up")
+    ip("-n", NET.ns_receiver, "addr", "add", f"{NET.receiver_w}/30", "dev", NET.x1)
+    ip("-n", NET.ns_receiver, "link", "set", NET.x1, "up")
+    ip("-n", NET.ns_worker, "route", "add", f"{NET.receiver_s}/32", "dev", NET.x0,
+       "src", NET.worker_r)
+    yield NET
+    NET.remove()
 
 
 @pytest.fixture(scope="module")
@@ -126,31 +143,31 @@ class Cluster:
         self.home = Path(pyspark.__file__).parent
         self.top = top
         self.port, self.ui = free_port(), free_port()
-        self.url = f"spark://{SOURCE_W}:{self.port}"
+        self.url = f"spark://{NET.source_w}:{self.port}"
         self.conf_dir = top / "conf"
         self.conf_dir.mkdir()
         (self.conf_dir / "spark-defaults.conf").write_text(
-            f"spark.driver.host {SOURCE_W}\nspark.driver.bindAddress {SOURCE_W}\n"
+            f"spark.driver.host {NET.source_w}\nspark.driver.bindAddress {NET.source_w}\n"
             f"spark.executor.memory 512m\nspark.cores.max 2\n")
         env = dict(os.environ, SPARK_HOME=str(self.home), SPARK_LOG_DIR=str(top),
                    SPARK_NO_DAEMONIZE="1")
         spark_class = str(self.home / "bin" / "spark-class")
         self.master = subprocess.Popen(
-            [spark_class, "org.apache.spark.deploy.master.Master", "--host", SOURCE_W,
+            [spark_class, "org.apache.spark.deploy.master.Master", "--host", NET.source_w,
              "--port", str(self.port), "--webui-port", str(self.ui)],
-            env=dict(env, SPARK_LOCAL_IP=SOURCE_W), stdout=open(top / "master.log", "w"),
+            env=dict(env, SPARK_LOCAL_IP=NET.source_w), stdout=open(top / "master.log", "w"),
             stderr=subprocess.STDOUT)
-        wait_for("the Spark master", lambda: listening(SOURCE_W, self.port))
+        wait_for("the Spark master", lambda: listening(NET.source_w, self.port))
         self.worker = subprocess.Popen(
-            in_namespace(NS_WORKER, [spark_class, "org.apache.spark.deploy.worker.Worker",
-                                     "--host", WORKER_S, "--cores", "2", "--memory", "1g",
+            in_namespace(NET.ns_worker, [spark_class, "org.apache.spark.deploy.worker.Worker",
+                                     "--host", NET.worker_s, "--cores", "2", "--memory", "1g",
                                      "--work-dir", top / "work", self.url], hidden),
-            env=dict(env, SPARK_LOCAL_IP=WORKER_S), stdout=open(top / "worker.log", "w"),
+            env=dict(env, SPARK_LOCAL_IP=NET.worker_s), stdout=open(top / "worker.log", "w"),
             stderr=subprocess.STDOUT)
         wait_for("the worker to register", lambda: self.alive_workers() == 1)
 
     def state(self) -> dict:
-        with urllib.request.urlopen(f"http://{SOURCE_W}:{self.ui}/json", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{NET.source_w}:{self.ui}/json", timeout=5) as r:
             return json.load(r)
 
     def alive_workers(self) -> int:
@@ -186,15 +203,15 @@ class NsReceiver:
 
     def __init__(self, store: Path, token_file: Path):
         self.store, self.port = store, free_port()
-        self.url = f"http://{RECEIVER_S}:{self.port}"
+        self.url = f"http://{NET.receiver_s}:{self.port}"
         self.proc = subprocess.Popen(
-            in_namespace(NS_RECEIVER, [sys.executable, "-m", "cmdline.mountfs",
+            in_namespace(NET.ns_receiver, [sys.executable, "-m", "cmdline.mountfs",
                                        "serve-mirror", store, "--listen",
                                        f"0.0.0.0:{self.port}", "--token-file", token_file]),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
         wait_for("the receiver", lambda: self.proc.poll() is not None or
-                 listening(RECEIVER_S, self.port))
+                 listening(NET.receiver_s, self.port))
         assert self.proc.poll() is None, self.proc.stderr.read()
 
     def stop(self) -> None:
@@ -243,14 +260,14 @@ def test_full_copy_and_incremental_run_on_the_remote_worker(cluster, source, rec
     assert first.returncode == 0, first.stderr
     summary = json.loads(first.stdout)
     assert summary["base"] is None and summary["bytes_sent"] > 0
-    assert set(summary["executors"]) == {WORKER_S}     # its address toward the source
-    assert summary["executors"][WORKER_S]["bytes"] == summary["bytes_sent"]
+    assert set(summary["executors"]) == {NET.worker_s}     # its address toward the source
+    assert summary["executors"][NET.worker_s]["bytes"] == summary["bytes_sent"]
     churn(m.mnt)
     m.snapctl("create", "c2")
     second = replicate(m, cluster, receiver, "c2")
     assert second.returncode == 0, second.stderr
     summary = json.loads(second.stdout)
-    assert summary["base"] == "c1" and set(summary["executors"]) == {WORKER_S}
+    assert summary["base"] == "c1" and set(summary["executors"]) == {NET.worker_s}
     apps = cluster.state()["completedapps"]
     assert len(apps) >= 2 and all(a["state"] == "FINISHED" for a in apps)
     receiver.stop()
@@ -316,12 +333,12 @@ def mirror_snapshots(r: NsReceiver) -> list[str]:
 @pytest.fixture
 def slow_link():
     """The worker's link to the receiver at 40 Mbit/s, so that a transfer lasts seconds."""
-    ip("netns", "exec", NS_WORKER, "tc", "qdisc", "add", "dev", "mfs11x0", "root", "tbf",
+    ip("netns", "exec", NET.ns_worker, "tc", "qdisc", "add", "dev", NET.x0, "root", "tbf",
        "rate", "40mbit", "burst", "32kb", "latency", "400ms")
     yield
-    ip("netns", "exec", NS_WORKER, "tc", "qdisc", "del", "dev", "mfs11x0", "root",
+    ip("netns", "exec", NET.ns_worker, "tc", "qdisc", "del", "dev", NET.x0, "root",
        check=False)
-    ip("-n", NS_RECEIVER, "link", "set", LINK_WORKER_RECEIVER, "up")
+    ip("-n", NET.ns_receiver, "link", "set", NET.x1, "up")
 
 
 def test_a_link_cut_mid_transfer_stalls_names_the_mirror_and_resumes(cluster, source, receiver,
@@ -339,18 +356,18 @@ def test_a_link_cut_mid_transfer_stalls_names_the_mirror_and_resumes(cluster, so
     try:
         wait_for("the first chunks to arrive",
                  lambda: proc.poll() is not None or staged_count(receiver.store) > 0)
-        ip("-n", NS_RECEIVER, "link", "set", LINK_WORKER_RECEIVER, "down")
+        ip("-n", NET.ns_receiver, "link", "set", NET.x1, "down")
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1 and err.count("\n") == 1, err
     assert "no chunk batch finished in 10 s" in err
-    assert f"executor {WORKER_S}: cannot reach the mirror at {receiver.url}" in err, err
+    assert f"executor {NET.worker_s}: cannot reach the mirror at {receiver.url}" in err, err
     assert "cut1" not in mirror_snapshots(receiver)
     arrived = staged_bytes(receiver.store)
     assert 0 < arrived < 24 << 20
-    ip("-n", NS_RECEIVER, "link", "set", LINK_WORKER_RECEIVER, "up")
+    ip("-n", NET.ns_receiver, "link", "set", NET.x1, "up")
     again = replicate(m, cluster, receiver, "cut1")
     assert again.returncode == 0, again.stderr
     summary = json.loads(again.stdout)
@@ -364,8 +381,8 @@ def test_a_link_left_down_is_one_line_and_leaves_the_mirror_untouched(cluster, s
     (m.mnt / "down").write_bytes(os.urandom(3 << 20))
     m.snapctl("create", "down1")
     before = mirror_snapshots(receiver)
-    ip("-n", NS_RECEIVER, "link", "set", LINK_WORKER_RECEIVER, "down")
-    res = replicate(m, cluster, receiver, "down1", "--stall-timeout", "10s")
+    ip("-n", NET.ns_receiver, "link", "set", NET.x1, "down")
+    res = replicate(m, cluster, receiver, "down1", "--stall-timeout", "30s")
     assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
     assert f"cannot reach the mirror at {receiver.url}" in res.stderr, res.stderr
     assert mirror_snapshots(receiver) == before and staged_count(receiver.store) == 0
