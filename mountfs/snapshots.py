@@ -47,6 +47,9 @@ def create(txn, dbs, name: str, snap_uuid: bytes | None = None,
     meta = dbs["meta"]
     epoch = live_epoch(txn, dbs)
     snap_id = S.from_u64(txn.get(b"next_snap_id", db=meta))
+    if snap_id > S.MAX_SNAP_ID:
+        raise SnapshotError(f"this store has used all {S.MAX_SNAP_ID} snapshot ids (they "
+                            f"number snapshot inodes and are never reused)")
     snap = S.Snapshot(name, epoch, created_ns or time.time_ns(), snap_id,
                       snap_uuid or uuidlib.uuid4().bytes)
     txn.put(raw, snap.pack(), db=dbs["snaps"])
