@@ -122,7 +122,10 @@ class Engine:
 
     async def sync(self) -> None:
         """Make everything committed durable: a commit that also syncs LMDB's meta page
-        (with ``metasync`` off, a commit leaves its meta page unsynced)."""
+        (with ``metasync`` off, a commit leaves its meta page unsynced). A read-only mount
+        has nothing of its own to make durable and never writes the store: a no-op."""
+        if self.store.readonly:
+            return
         await self._submit(_Step(None, (), live=False, durable=True))
 
     async def _submit(self, step: "_Step"):
