@@ -69,17 +69,21 @@ class Engine:
                 out.append(bytes(c[0]))
         return out
 
-    async def verify(self, digests: list[bytes]) -> None:
-        """Check chunk data against its digest before it is first served (hashing in a worker
-        thread); a mismatch is EIO, never wrong data. Checked digests are remembered."""
+    async def verify(self, epoch: int | None, ino: int, off: int, size: int) -> None:
+        """Check the chunks under [off, off + size) of ``ino`` as of ``epoch`` against their
+        digests before they are first served (hashing in a worker thread); a mismatch is EIO,
+        never wrong data. Checked digests are remembered. The chunk map and the data are read
+        in one transaction: a chunk rewritten meanwhile is checked as it is now, so a blob
+        missing here is missing from a map that names it, which only corruption does."""
         def check():
-            with self.store.read() as txn:
+            with self.view(epoch) as v:
+                digests = self.unverified(v, ino, off, size)
                 for digest in digests:
-                    data = txn.get(digest, db=self.db["blobs"])
+                    data = v.txn.get(digest, db=self.db["blobs"])
                     if data is None or blake3.blake3(data).digest() != digest:
-                        return digest
-            return None
-        bad = await trio.to_thread.run_sync(check)
+                        return digest, digests
+            return None, digests
+        bad, digests = await trio.to_thread.run_sync(check)
         if bad is not None:
             log.error("chunk %s is corrupt or missing in the store; run 'mountfs fsck'",
                       bad.hex())

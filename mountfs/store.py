@@ -140,8 +140,11 @@ class Store:
             self.lockfd = None
 
     def sync(self) -> None:
-        """Make every committed transaction durable (fdatasync). Safe from any thread."""
-        self.env.sync(True)
+        """Make every committed transaction durable (fdatasync). Safe from any thread. A
+        read-only store has nothing of its own to make durable: syncing it is a no-op (LMDB
+        refuses it, and the writer beside us owns the file)."""
+        if not self.readonly:
+            self.env.sync(True)
 
     # ---- transactions --------------------------------------------------------------------
 

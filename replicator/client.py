@@ -54,15 +54,30 @@ class HttpSink:
     """What a Spark task uses to stage chunks on the receiver (picklable: it holds only the
     URL and the token, and opens its own connection)."""
 
+    remote = True                  # reachable from executors on any host
+    timeout: float | None = None   # per request, when a task must fail before a watchdog
+
     def __init__(self, url: str, token: str, ca_file: str | None):
         self.url = url
         self.token = token
         self.ca_file = ca_file
 
+    def _client(self) -> httpx.Client:
+        client = _client(self.url, self.token, self.ca_file)
+        if self.timeout:
+            client.timeout = httpx.Timeout(self.timeout, connect=min(10.0, self.timeout))
+        return client
+
     def put(self, chunks) -> tuple[int, int]:
-        with _client(self.url, self.token, self.ca_file) as client:
+        with self._client() as client:
             reply = _call(client, "POST", "/v1/chunks", pack_frames(chunks)).json()
         return reply["stored"], reply["bytes"]
+
+    def missing(self, digests: list[bytes]) -> list[bytes]:
+        """Which of ``digests`` the mirror lacks (a retried task sends only those)."""
+        with self._client() as client:
+            raw = _call(client, "POST", "/v1/missing", compress(b"".join(digests))).content
+        return [raw[i:i + 32] for i in range(0, len(raw), 32)]
 
 
 class HttpMirror:
@@ -77,9 +92,7 @@ class HttpMirror:
         return _call(self.client, "GET", "/v1/info").json()
 
     def missing(self, digests: list[bytes]) -> list[bytes]:
-        body = compress(b"".join(digests))
-        raw = _call(self.client, "POST", "/v1/missing", body).content
-        return [raw[i:i + 32] for i in range(0, len(raw), 32)]
+        return self.sink.missing(digests)
 
     def commit(self, source_uuid: bytes, base_uuid: str | None, snap: SnapshotRef,
                cs: Changeset, reconcile: bool = False) -> None:

@@ -16,7 +16,7 @@ commits, and step 4's chunks stay staged for the next try.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from mountfs import schema as S
 from mountfs import snapshots as snaps
@@ -41,6 +41,7 @@ class CycleResult:
     bytes_skipped: int
     seconds: float
     diff_seconds: float = 0.0      # of ``seconds``, finding the changes (not in the summary)
+    executors: dict = field(default_factory=dict)   # per executor: tasks, bytes, bytes/s
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -66,6 +67,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
     ``phase(text)`` hears what the cycle is doing before the transfer's ``progress``."""
     phase = phase or (lambda text: None)
     started = time.monotonic()
+    transfer.check_reachable(master, mirror.sink)
     source = Store.open(source_path, readonly=True, lock=False)
     try:
         with source.read() as txn:
@@ -106,7 +108,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
             sent = transfer.send_inline(source, mirror.stage, chunk_batches, progress)
         else:
             phase(f"starting Spark to send {len(todo)} chunks ({todo_bytes} bytes)")
-            sent = transfer.send(str(source.path), mirror.sink, chunk_batches, master=master,
+            sent = transfer.send(source, mirror.sink, chunk_batches, master=master,
                                  stall_seconds=stall_seconds, progress=progress)
         phase(COMMITTING)
         mirror.commit(source.uuid, base.uuid.hex() if base else None,
@@ -115,7 +117,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
         return CycleResult(snap.name, base.name if base else None, len(cs.entries),
                            len(cs.inodes), sent.chunks,
                            sent.bytes, sum(wanted.values()) - sent.bytes,
-                           time.monotonic() - started, diff_seconds)
+                           time.monotonic() - started, diff_seconds, sent.executors)
     finally:
         source.close()
 

@@ -39,6 +39,14 @@ class FileSink:
         finally:
             store.close()
 
+    def missing(self, digests: list[bytes]) -> list[bytes]:
+        store = Store.open(self.path, readonly=True, lock=False)
+        try:
+            with store.read() as txn:
+                return mirror.missing(txn, store.db, digests)
+        finally:
+            store.close()
+
 
 class LocalMirror:
     """A mirror store on a local or network path, held under its store lock for the cycle."""

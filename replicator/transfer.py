@@ -1,10 +1,14 @@
-"""Moving chunks to a mirror with Spark: batches balanced by bytes, one Spark task each.
+"""Moving chunks to a mirror with Spark: batches balanced by bytes and count, one task each.
 
-A task opens the source store read-only (chunks are content-addressed, so a digest names the
-same bytes at every epoch; the cycle's snapshot keeps them from being reclaimed), reads its
-batch and hands it to the mirror's sink, which verifies every digest before staging it. A
-batch that fails is retried by Spark; chunks staged before a failure stay staged, so a
-re-run sends only what is still missing.
+Where a task gets its chunks depends on where it runs. With the embedded master the tasks
+run on this host and open the source store read-only (chunks are content-addressed, so a
+digest names the same bytes at every epoch; the cycle's snapshot keeps them from being
+reclaimed). With a cluster master an executor may be on any host, so it fetches its batch
+from this process's chunk endpoint (replicator.chunkserver: alive for the job, read-only,
+one random credential per job carried in the task) and checks every digest. Either way the
+task hands the batch to the mirror's sink, which verifies every digest before staging it. A
+batch that fails is retried by Spark; a retry first asks the mirror what it still lacks, and
+chunks staged before a failure stay staged, so a re-run sends only what is still missing.
 
 Spark runs embedded (``local[*]``) unless a master URL is given; the session is created once
 per process and reused by later cycles (the daemon keeps it).
@@ -20,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from py4j.protocol import Py4JError
@@ -28,6 +32,8 @@ from py4j.protocol import Py4JError
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_BYTES = 32 << 20
+MAX_CHUNKS = 4096                   # per batch: many tiny chunks weigh as much as few big
+CHUNK_COST = 64 << 10               # what one chunk costs beyond its bytes, when balancing
 EMBEDDED_MASTER = "local[*,4]"      # every core, a failed task retried up to 4 times
 DEFAULT_STALL_SECONDS = 300.0
 
@@ -54,8 +60,12 @@ def spark_session(master: str | None = None):
                        .config("spark.python.worker.reuse", "true")
                        .config("spark.driver.extraJavaOptions", QUIET_LOGGING)
                        .config("spark.executor.extraJavaOptions", QUIET_LOGGING))
-            with _stderr_to(spark_log_path()):
-                _session = builder.getOrCreate()
+            try:
+                with _stderr_to(spark_log_path()):
+                    _session = builder.getOrCreate()
+            except Py4JError as e:
+                raise TransferFailed(f"cannot start Spark with master "
+                                     f"{master or EMBEDDED_MASTER}: {_spark_message(e)}") from None
             _session.sparkContext.setLogLevel("ERROR")
         return _session
 
@@ -89,18 +99,22 @@ def _stderr_to(path: str):
 
 
 def batches(chunks: list[tuple[bytes, int]], batch_bytes: int = DEFAULT_BATCH_BYTES,
-            min_batches: int = 1) -> list[list[tuple[str, int]]]:
-    """Cut (digest, length) pairs into batches of about ``batch_bytes`` each, balanced by
-    bytes (largest first into the lightest batch), as (hex digest, length) lists."""
+            min_batches: int = 1,
+            max_chunks: int = MAX_CHUNKS) -> list[list[tuple[str, int]]]:
+    """Cut (digest, length) pairs into batches of about ``batch_bytes`` and at most about
+    ``max_chunks`` chunks each, balanced by bytes and by count (largest first into the
+    batch whose bytes plus CHUNK_COST per chunk are lowest), as (hex digest, length)
+    lists."""
     total = sum(n for _, n in chunks)
-    count = max(min_batches, -(-total // batch_bytes)) if chunks else 0
+    count = max(min_batches, -(-total // batch_bytes), -(-len(chunks) // max_chunks)) \
+        if chunks else 0
     count = min(count, len(chunks))
     bins: list[list[tuple[str, int]]] = [[] for _ in range(count)]
     loads = [0] * count
     for digest, n in sorted(chunks, key=lambda c: -c[1]):
         i = loads.index(min(loads))
         bins[i].append((digest.hex(), n))
-        loads[i] += n
+        loads[i] += n + CHUNK_COST
     return bins
 
 
@@ -108,20 +122,76 @@ def batches(chunks: list[tuple[bytes, int]], batch_bytes: int = DEFAULT_BATCH_BY
 class Sent:
     chunks: int = 0
     bytes: int = 0
+    executors: dict = field(default_factory=dict)   # executor -> tasks, chunks, bytes, s
+
+    def add(self, task: dict) -> None:
+        """Count one finished task's report (see _BatchSender)."""
+        self.chunks += task["chunks"]
+        self.bytes += task["bytes"]
+        ex = self.executors.setdefault(task["executor"], {
+            "tasks": 0, "chunks": 0, "bytes": 0, "seconds": 0.0})
+        ex["tasks"] += 1
+        ex["chunks"] += task["chunks"]
+        ex["bytes"] += task["bytes"]
+        ex["seconds"] += task["seconds"]
+        ex["bytes_per_second"] = int(ex["bytes"] / ex["seconds"]) if ex["seconds"] else 0
 
 
-def send(source: str, sink, chunk_batches: list, master: str | None = None,
+def embedded(master: str | None) -> bool:
+    """Whether the executors run on this host (``local[...]``): they can read the store."""
+    return master is None or master.startswith("local")
+
+
+def check_reachable(master: str | None, sink) -> None:
+    """Refuse up front a mirror that remote executors could not write: a file:// mirror
+    is a path on this host."""
+    if not embedded(master) and not getattr(sink, "remote", False):
+        raise TransferFailed(f"a file:// mirror cannot be written by the executors of "
+                             f"{master} (they may run on other hosts): serve it with "
+                             f"'mountfs serve-mirror' and replicate to its http(s):// URL")
+
+
+def send(source, sink, chunk_batches: list, master: str | None = None,
          stall_seconds: float = DEFAULT_STALL_SECONDS,
          progress: Callable[[int, int, int], None] | None = None) -> Sent:
-    """Run the Spark job: every batch read from ``source`` (a store path) and staged through
-    ``sink`` (a picklable object with ``put(list of (digest, data)) -> (chunks, bytes)``).
-    ``progress(bytes done, bytes in all, chunks in all)`` is called as batches finish. A job
-    in which no batch finishes for ``stall_seconds`` is cancelled (TransferStalled); what
-    arrived stays."""
+    """Run the Spark job: every batch read from ``source`` (the open source Store; through
+    its chunk endpoint when the executors may be remote) and staged through ``sink`` (a
+    picklable object with ``put(list of (digest, data)) -> (chunks, bytes)`` and
+    ``missing(digests)``). ``progress(bytes done, bytes in all, chunks in all)`` is called
+    as batches finish. A job in which no batch finishes for ``stall_seconds`` is cancelled
+    (TransferStalled); what arrived stays."""
     if not chunk_batches:
         return Sent()
     spark = spark_session(master)
-    sc = spark.sparkContext
+    if embedded(spark.sparkContext.master):
+        return _run(spark.sparkContext, _BatchSender(str(source.path), None, sink,
+                                                     stall_seconds),
+                    chunk_batches, stall_seconds, progress)
+    lengths = {bytes.fromhex(h): n for batch in chunk_batches for h, n in batch}
+    with _chunk_endpoint(spark.sparkContext, source, lengths) as endpoint:
+        task = _BatchSender(None, endpoint.client(), sink, stall_seconds)
+        return _run(spark.sparkContext, task, chunk_batches, stall_seconds, progress,
+                    endpoint.explain)
+
+
+def _chunk_endpoint(sc, source, lengths):
+    """The job's chunk endpoint, listening where the executors reach the driver
+    (``spark.driver.host``; ``spark.driver.bindAddress`` if set), with TLS when
+    $MOUNTFS_CHUNK_CERT and $MOUNTFS_CHUNK_KEY name a certificate and its key."""
+    from .chunkserver import ChunkServer
+    conf = sc.getConf()
+    host = conf.get("spark.driver.host")
+    cert, key = os.environ.get("MOUNTFS_CHUNK_CERT"), os.environ.get("MOUNTFS_CHUNK_KEY")
+    try:
+        return ChunkServer(source, lengths, host, conf.get("spark.driver.bindAddress", host),
+                           (cert, key) if cert and key else None)
+    except (OSError, ValueError) as e:
+        raise TransferFailed(f"cannot serve chunks to the executors on {host}: {e}; set "
+                             f"spark.driver.host to an address of this host they can "
+                             f"reach") from None
+
+
+def _run(sc, task, chunk_batches, stall_seconds, progress, explain=None) -> Sent:
     group = f"mountfs-{os.getpid()}-{time.monotonic_ns()}"
     result: dict = {}
 
@@ -129,7 +199,7 @@ def send(source: str, sink, chunk_batches: list, master: str | None = None,
         try:
             sc.setJobGroup(group, "mountfs replicate", interruptOnCancel=True)
             rdd = sc.parallelize(chunk_batches, len(chunk_batches))
-            result["value"] = rdd.map(_BatchSender(source, sink)).collect()
+            result["value"] = rdd.map(task).collect()
         except BaseException as e:          # handed to the waiting thread below
             result["error"] = e
 
@@ -140,16 +210,15 @@ def send(source: str, sink, chunk_batches: list, master: str | None = None,
     report = (lambda done: progress(sum(sizes[:done]), sum(sizes), chunks)) if progress \
         else None
     try:
-        _watch(sc, group, worker, len(chunk_batches), stall_seconds, report)
+        _watch(sc, group, worker, len(chunk_batches), stall_seconds, report, explain)
     except Py4JError as e:
         raise TransferFailed(f"lost the Spark driver ({e.__class__.__name__}); chunks that "
                              f"arrived are kept, run again to resume") from None
     if "error" in result:
         raise TransferFailed(_spark_message(result["error"])) from result["error"]
     sent = Sent()
-    for chunks, nbytes in result["value"]:
-        sent.chunks += chunks
-        sent.bytes += nbytes
+    for task_report in result["value"]:
+        sent.add(task_report)
     return sent
 
 
@@ -188,10 +257,11 @@ class TransferStalled(TransferFailed):
     """No batch finished for the stall timeout; the job was cancelled."""
 
 
-def _watch(sc, group, worker, total, stall_seconds, progress) -> None:
+def _watch(sc, group, worker, total, stall_seconds, progress, explain=None) -> None:
     """Report finished batches; cancel the job when none finishes for ``stall_seconds``
     while tasks are running (the clock starts with the first running task, so starting
-    executors and Python workers is not a stall)."""
+    executors and Python workers is not a stall). ``explain()`` says, for remote
+    executors, which side they could not reach."""
     done, last_change = 0, None
     tracker = sc.statusTracker()
     while worker.is_alive():
@@ -205,10 +275,12 @@ def _watch(sc, group, worker, total, stall_seconds, progress) -> None:
             if running:
                 last_change = time.monotonic()
         elif time.monotonic() - last_change > stall_seconds:
+            why = f": {explain()}" if explain else ""
             sc.cancelJobGroup(group)
             worker.join()
             raise TransferStalled(f"no chunk batch finished in {stall_seconds:.0f} s; "
-                                  f"cancelled (what arrived is kept; run again to resume)")
+                                  f"cancelled (what arrived is kept; run again to "
+                                  f"resume){why}")
     if progress:
         progress(total)
 
@@ -233,25 +305,57 @@ def _spark_message(error: BaseException) -> str:
     ours = re.findall(r"^(?:mountfs|replicator)\.[\w.]+: (.+)$", text, re.MULTILINE)
     if ours:
         return ours[-1]
-    other = re.findall(r"^[\w.]*(?:Error|Exception): (.+)$", text, re.MULTILINE)
+    other = re.findall(r"^(?:: )?[\w.]*(?:Error|Exception): (.+)$", text, re.MULTILINE)
     if other:
         return other[-1]
     return text.splitlines()[0] if text else type(error).__name__
 
 
 class _BatchSender:
-    """The Spark task: read one batch from the source store and put it to the sink."""
+    """The Spark task: read one batch (from the source store on this host, or from the
+    source's chunk endpoint) and put it to the sink. A retried attempt first asks the
+    mirror which chunks it still lacks, so what arrived is not sent again. Returns what it
+    stored and which executor did it, for the per-executor figures."""
 
-    def __init__(self, source: str, sink):
-        self.source = source
+    def __init__(self, store_path: str | None, endpoint, sink, stall_seconds: float):
+        self.store_path = store_path
+        self.endpoint = endpoint
         self.sink = sink
+        self.stall_seconds = stall_seconds
 
-    def __call__(self, batch: list[tuple[str, int]]) -> tuple[int, int]:
+    def __call__(self, batch: list[tuple[str, int]]) -> dict:
+        from pyspark import TaskContext
+        started = time.monotonic()
+        digests = [bytes.fromhex(h) for h, _ in batch]
+        context = TaskContext.get()
+        self.sink.timeout = self.stall_seconds / 2     # fail (and say why) before the watchdog
+        try:
+            if context is not None and context.attemptNumber() > 0:
+                digests = self.sink.missing(digests)
+            chunks = self._read(digests) if digests else []
+            stored, nbytes = self.sink.put(chunks) if chunks else (0, 0)
+        except Exception as e:
+            if self.endpoint is not None:
+                self.endpoint.report(str(e))
+            raise
+        return {"executor": self._executor(), "chunks": stored, "bytes": nbytes,
+                "seconds": time.monotonic() - started}
+
+    def _read(self, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
+        if self.endpoint is not None:
+            return self.endpoint.fetch(digests, timeout=self.stall_seconds / 2)
         from mountfs.store import Store
-        store = Store.open(self.source, readonly=True, lock=False)
+        store = Store.open(self.store_path, readonly=True, lock=False)
         try:
             with store.read() as txn:
-                chunks = [(bytes.fromhex(h), _blob(txn, store, h)) for h, _ in batch]
+                return [(d, _blob(txn, store, d.hex())) for d in digests]
         finally:
             store.close()
-        return self.sink.put(chunks)
+
+    def _executor(self) -> str:
+        """The executor's name in the figures: its address toward the source (remote), or
+        the host name (embedded)."""
+        if self.endpoint is not None and self.endpoint.local_address:
+            return self.endpoint.local_address
+        import socket
+        return socket.gethostname()

@@ -231,7 +231,11 @@ def test_interrupted_cycle_resumes_without_resending(spark, mounted, tmp_path):
     # a cycle that stopped after staging half of its chunks (killed before its commit)
     wanted = sorted(source_changeset(m, "s0", "s1").digests().items())
     half = wanted[: len(wanted) // 2]
-    transfer.send(str(m.store), FileSink(str(mirror)), transfer.batches(half))
+    source = Store.open(m.store, readonly=True, lock=False)
+    try:
+        transfer.send(source, FileSink(str(mirror)), transfer.batches(half))
+    finally:
+        source.close()
     assert "s1" not in [s["name"] for s in mirror_info(mirror)["snapshots"]]
     assert cli("mountfs", "fsck", "-q", mirror, check=False).returncode == 0
     result = send(m, mirror, "s1")
@@ -383,8 +387,9 @@ def test_cli_replicate_json_summary(mounted, tmp_path):
     assert proc.returncode == 0, err
     summary = json.loads(out)
     assert set(summary) == {"snapshot", "base", "entries", "inodes", "chunks_sent",
-                            "bytes_sent", "bytes_skipped", "seconds"}
+                            "bytes_sent", "bytes_skipped", "seconds", "executors"}
     assert summary["snapshot"].startswith("repl-") and summary["base"] is None
+    assert summary["executors"] == {}             # sent inline: no Spark executor
     assert summary["bytes_sent"] == 100_000
     proc = snapctl_replicate(m, mirror, "--snapshot", "no-such-snapshot")
     out, err = proc.communicate(timeout=300)

@@ -1,0 +1,83 @@
+"""The source's chunk endpoint (replicator.chunkserver), served from a real store on
+loopback: only the job's chunks, only with the job's credential, digests checked where the
+data arrives, TLS, and an endpoint that is gone named in the error."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+
+import blake3
+import pytest
+
+from mountfs.store import Store
+from replicator.chunkserver import ChunkClient, ChunkEndpointError, ChunkServer
+
+
+@pytest.fixture
+def source(store):
+    """The store with three chunks in it; yields (open store, {digest: data})."""
+    s = Store.open(store)
+    chunks = {}
+    with s.write() as txn:
+        for size in (1, 70_000, 1 << 20):
+            data = os.urandom(size)
+            digest = blake3.blake3(data).digest()
+            txn.put(digest, data, db=s.db["blobs"])
+            chunks[digest] = data
+    yield s, chunks
+    s.close()
+
+
+def test_serves_the_jobs_chunks_checked(source):
+    store, chunks = source
+    job = dict(list({d: len(v) for d, v in chunks.items()}.items())[:2])
+    with ChunkServer(store, job, "127.0.0.1") as server:
+        client = server.client()
+        got = client.fetch(list(job), timeout=10)
+        assert got == [(d, chunks[d]) for d in job]
+        assert client.local_address == "127.0.0.1"
+
+
+def test_refuses_other_chunks_credentials_and_paths(source):
+    store, chunks = source
+    digests = list(chunks)
+    with ChunkServer(store, {digests[0]: 1}, "127.0.0.1") as server, \
+            ChunkServer(store, {digests[0]: 1}, "127.0.0.1") as other_job:
+        with pytest.raises(ChunkEndpointError, match=r"refused the request \(403\).*not part"):
+            server.client().fetch([digests[1]], timeout=10)
+        foreign = ChunkClient(server.url, other_job.credential)
+        with pytest.raises(ChunkEndpointError, match=r"\(401\).*not the running job's"):
+            foreign.fetch([digests[0]], timeout=10)
+        host, port = server.server.server_address
+        with socket.create_connection((host, port)) as s:
+            s.sendall(b"GET /v1/chunks HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(100).startswith(b"HTTP/1.1 405")
+
+
+def test_a_finished_jobs_credential_is_worthless(source):
+    store, chunks = source
+    digest = next(iter(chunks))
+    server = ChunkServer(store, {digest: len(chunks[digest])}, "127.0.0.1").__enter__()
+    client = server.client()
+    server.close()
+    with pytest.raises(ChunkEndpointError,
+                       match=rf"cannot reach the source's chunk endpoint {server.url} "):
+        client.fetch([digest], timeout=10)
+
+
+def test_over_tls_with_the_jobs_certificate(source, tmp_path):
+    store, chunks = source
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", key, "-out", cert], check=True, capture_output=True)
+    digest = next(iter(chunks))
+    with ChunkServer(store, {digest: len(chunks[digest])}, "127.0.0.1",
+                     tls=(str(cert), str(key))) as server:
+        assert server.url.startswith("https://")
+        assert server.client().fetch([digest], timeout=10) == [(digest, chunks[digest])]
+        untrusting = ChunkClient(server.url, server.credential)      # system CAs only
+        with pytest.raises(ChunkEndpointError, match="CERTIFICATE_VERIFY_FAILED"):
+            untrusting.fetch([digest], timeout=10)
