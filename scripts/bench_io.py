@@ -483,6 +483,7 @@ def synthetic_repo(work: Workdir, files: int) -> tuple[Path, str, str]:
     git("init", "-q")
     git("config", "user.email", "bench@example.invalid")
     git("config", "user.name", "bench")
+    git("config", "gc.auto", "0")                   # no background gc racing ours
     import random
     rnd = random.Random(1)
     paths = [f"d{i % 100:02d}/f{i:05d}.txt" for i in range(files)]
@@ -630,6 +631,8 @@ def parse_args(argv=None):
     p.add_argument("--workdir", default="/var/tmp",
                    help="where the store, mountpoint and baseline go: the same disk for "
                         "both, not tmpfs (default: %(default)s)")
+    p.add_argument("--floor-writeback", action="store_true",
+                   help="mount the floor with the writeback cache (what it would give mountfs)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -646,6 +649,8 @@ def main(argv=None) -> int:
         raise SystemExit("bench_io needs root (to drop the page cache)")
     only = set(args.only or ["untar", "git", "small", "seq", "rand", "snap", "sweep"])
     block = parse_size(args.block)
+    if args.floor_writeback:
+        FLOOR_OPTIONS.append("--writeback")
     res = Results("bench_io", vars(args))
     with Workdir(args.workdir, "bench-io") as work:
         print(machine_info(work.path))
