@@ -288,9 +288,11 @@ def test_a_file_mirror_with_a_cluster_master_is_refused_up_front(cluster, source
 def test_mountfsd_cycles_through_the_cluster(cluster, source, receiver, tmp_path):
     m = source
     (m.mnt / "daemon-file").write_bytes(os.urandom(3_000_000))
+    port = free_port()
     config = write_config(tmp_path / "d.toml", m.mnt, tmp_path / "state", receiver.url,
                           receiver.token_file, extra_fs='spark_threshold = "0"',
-                          metrics=f'spark_master = "{cluster.url}"')
+                          metrics=f'spark_master = "{cluster.url}"\n'
+                                  f'metrics_listen = "127.0.0.1:{port}"')
     log = open(tmp_path / "daemon.log", "w")
     d = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--config", str(config)],
                          stdout=log, stderr=subprocess.STDOUT, env=cluster.env(),
@@ -299,6 +301,9 @@ def test_mountfsd_cycles_through_the_cluster(cluster, source, receiver, tmp_path
         wait_for("a daemon cycle through the cluster",
                  lambda: mirror_is_current(m, config, receiver.url))
         newest = status(m, config)["newest"]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        assert (f'mountfs_replication_executor_bytes_per_second{{executor="{NET.worker_s}",'
+                f'filesystem="data",mirror="{receiver.url}"}}') in metrics, metrics
     finally:
         d.send_signal(signal.SIGTERM)
         d.wait(timeout=120)
