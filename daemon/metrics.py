@@ -41,6 +41,20 @@ class Metrics:
         self.snapshots = Counter("mountfs_snapshots_taken_total", "Snapshots the daemon took",
                                  ("filesystem",), registry=r)
 
+    def keep_only(self, filesystem: str, urls: list[str]) -> None:
+        """Drop the series of mirrors of ``filesystem`` that are no longer configured (a
+        reload removed them): a mirror nobody replicates to must not look stuck."""
+        wanted = {(filesystem, url) for url in urls}
+        for metric in (self.last_success, self.lag, self.pending_bytes, self.pending_snapshots,
+                       self.bytes_sent, self.errors, self.stalled, self.cycle_seconds,
+                       self.mismatched):
+            present = {(s.labels["filesystem"], s.labels["mirror"])
+                       for family in metric.collect() for s in family.samples
+                       if "mirror" in s.labels}
+            for labels in present:
+                if labels[0] == filesystem and labels not in wanted:
+                    metric.remove(*labels)
+
     def serve(self, listen: str) -> None:
         """Serve /metrics from a background thread (never on the trio loop)."""
         host, _, port = listen.rpartition(":")

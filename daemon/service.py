@@ -202,6 +202,8 @@ class FilesystemLoop:
                     ms = self.state.mirrors.get(url)
                     if ms and ms.last_success_ns:
                         self.metrics.last_success.labels(*labels).set(ms.last_success_ns / 1e9)
+        if self.metrics:
+            self.metrics.keep_only(self.fs.name, [m.url for m in self.fs.mirrors])
         write_state(self.daemon.state_dir, self.state)
         notify(STATUS=f"{self.fs.name}: " + ("; ".join(lags) or "no mirrors") +
                (f"; error: {self.state.last_error}" if self.state.last_error else ""))

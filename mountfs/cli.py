@@ -132,7 +132,9 @@ def fsck(store, quiet):
     from .fsck import check
     from .store import Store
     try:
-        st = Store.open(store, readonly=False, lock=True, holder="fsck")
+        # Read-only and under the lock: no writer may change the store while it is checked,
+        # and read-only mounts of it (which take no lock) are fine beside us.
+        st = Store.open(store, readonly=True, lock=True, holder="fsck")
     except StoreError as e:
         fail(str(e), 2)
     try:

@@ -1,16 +1,23 @@
 """The control socket: how snapctl talks to a running mount.
 
-The mount process listens on ``STORE/control.sock`` (mode 0600, and the peer's uid is checked
-against the mount's owner). One request per connection: a JSON object on one line; one JSON
-answer on one line, ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
+Each mount owns its socket (mode 0600, and the peer's uid is checked against the mount's
+owner): the writable mount, the store's one writer, listens on ``STORE/control.sock``; a
+read-only mount, which may run beside it, listens in its own runtime directory and never
+touches the store. Every mount also keeps a record there, keyed by its mountpoint: its pid
+and its socket, so that ``snapctl -m MNT`` reaches exactly the mount at MNT and ``umount
+MNT`` waits for exactly the process that served it. One request per connection: a JSON
+object on one line; one JSON answer on one line, ``{"ok": true, ...}`` or
+``{"ok": false, "error": "..."}``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import socket
+import stat
 import struct
 from pathlib import Path
 
@@ -22,8 +29,53 @@ SOCKET_NAME = "control.sock"
 MAX_REQUEST = 1 << 16
 
 
+RECORD_NAME = "mount.json"
+
+
 def socket_path(store: str | os.PathLike) -> Path:
+    """The writable mount's socket (what callers holding only a store path reach)."""
     return Path(store) / SOCKET_NAME
+
+
+def runtime_dir(create: bool = False) -> Path:
+    """This user's private directory of mount records: /run/mountfs/mounts for root, else
+    $XDG_RUNTIME_DIR/mountfs (or /tmp/mountfs-UID, checked to be ours and private)."""
+    uid = os.getuid()
+    if uid == 0:
+        base = Path("/run/mountfs/mounts")
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        base = Path(os.environ["XDG_RUNTIME_DIR"]) / "mountfs"
+    else:
+        base = Path(f"/tmp/mountfs-{uid}")
+    if create:
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if base.exists():
+        st = base.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+            raise StoreError(f"{base} is not a private directory of uid {uid}; remove it")
+    return base
+
+
+def mount_dir(mountpoint: str, create: bool = False) -> Path:
+    """The runtime directory of the mount at ``mountpoint`` (named by a hash: socket paths
+    are limited to 107 bytes)."""
+    key = hashlib.sha256(os.path.abspath(mountpoint).encode("utf-8", "surrogateescape"))
+    d = runtime_dir(create) / key.hexdigest()[:24]
+    if create:
+        d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def mount_record(mountpoint: str) -> dict | None:
+    """{'pid', 'store', 'mountpoint', 'socket'} of the mount at ``mountpoint``, if any."""
+    try:
+        rec = json.loads((mount_dir(mountpoint) / RECORD_NAME).read_text())
+    except (OSError, ValueError, StoreError):
+        return None
+    if not isinstance(rec, dict) or rec.get("mountpoint") != os.path.abspath(mountpoint) \
+            or not isinstance(rec.get("pid"), int) or not isinstance(rec.get("socket"), str):
+        return None
+    return rec
 
 
 class ControlError(StoreError):
@@ -40,7 +92,9 @@ class ControlServer:
         self.engine = engine
         self.ops = ops
         self.mountpoint = mountpoint
-        self.path = socket_path(engine.store.path)
+        self.dir = mount_dir(mountpoint, create=True)
+        self.path = self.dir / SOCKET_NAME if ops.read_only else \
+            socket_path(engine.store.path)
 
     async def serve(self, task_status) -> None:
         import trio             # here, so that snapctl's client side never loads trio
@@ -55,11 +109,17 @@ class ControlServer:
         os.chmod(self.path, 0o600)
         sock.listen(16)
         listener = trio.SocketListener(sock)
+        record = self.dir / RECORD_NAME
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "store": str(self.engine.store.path),
+                                   "mountpoint": self.mountpoint, "socket": str(self.path)}))
+        tmp.replace(record)
         task_status.started()
         try:
             await trio.serve_listeners(self._handle, [listener])
         finally:
             self.path.unlink(missing_ok=True)
+            record.unlink(missing_ok=True)
 
     async def _handle(self, stream) -> None:
         import trio
@@ -143,9 +203,12 @@ def _message(e: Exception) -> str:
     return str(e)
 
 
-def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0) -> dict:
-    """Send one request to the mount serving ``store``; raise ControlError on refusal."""
-    path = socket_path(store)
+def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0,
+            mountpoint: str | None = None) -> dict:
+    """Send one request to the mount at ``mountpoint`` (if given and recorded), else to the
+    writable mount of ``store``; raise ControlError on refusal."""
+    rec = mount_record(mountpoint) if mountpoint else None
+    path = Path(rec["socket"]) if rec else socket_path(store)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:

@@ -1,10 +1,12 @@
 """The mounted filesystem's engine: one open store, the rule for who may write when, the
 file cache, snapshots, and the background tasks (syncer, garbage collector).
 
-Concurrency rule (see docs/architecture.md): LMDB transactions are short and run on the trio
-thread, except large ones (restore, GC batches) which run in a worker thread. Every writer,
-inline or threaded, holds ``Engine.lock``, a trio lock, so the trio thread never blocks on
-LMDB's own writer mutex. Reads are inline and take microseconds.
+Concurrency rule (see docs/architecture.md): reads are short LMDB read transactions on the
+trio thread (microseconds). Every change is a step of a group commit: steps queue while a
+commit runs, and the next commit takes them all into one write transaction in one worker
+thread call (a synced commit costs an fdatasync, which must never block the trio thread).
+Step functions run in that worker thread: they may read trio-side state but must not change
+it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 
 import blake3
+import lmdb
 import trio
 
 from . import gc, snapshots
@@ -28,12 +31,24 @@ log = logging.getLogger(__name__)
 SYNC_INTERVAL = 1.0
 
 
+class _Step:
+    """One operation of a group commit and, once ``done``, its result or error."""
+    __slots__ = ("fn", "args", "live", "durable", "done", "result", "error")
+
+    def __init__(self, fn, args, live: bool, durable: bool = False):
+        self.fn, self.args, self.live, self.durable = fn, args, live, durable
+        self.done = False
+        self.result = None
+        self.error: BaseException | None = None
+
+
 class Engine:
     def __init__(self, store: Store):
         self.store = store
         self.db = store.db
         self.chunk_size = store.chunk_size
-        self.lock = trio.Lock()
+        self._pending: list[_Step] = []             # steps waiting for the next commit
+        self._committing: trio.Event | None = None  # set when the running commit ends
         self.files = FileCache(self)
         with store.read() as txn:
             self.live = store.live_epoch(txn)
@@ -54,17 +69,21 @@ class Engine:
                 out.append(bytes(c[0]))
         return out
 
-    async def verify(self, digests: list[bytes]) -> None:
-        """Check chunk data against its digest before it is first served (hashing in a worker
-        thread); a mismatch is EIO, never wrong data. Checked digests are remembered."""
+    async def verify(self, epoch: int | None, ino: int, off: int, size: int) -> None:
+        """Check the chunks under [off, off + size) of ``ino`` as of ``epoch`` against their
+        digests before they are first served (hashing in a worker thread); a mismatch is EIO,
+        never wrong data. Checked digests are remembered. The chunk map and the data are read
+        in one transaction: a chunk rewritten meanwhile is checked as it is now, so a blob
+        missing here is missing from a map that names it, which only corruption does."""
         def check():
-            with self.store.read() as txn:
+            with self.view(epoch) as v:
+                digests = self.unverified(v, ino, off, size)
                 for digest in digests:
-                    data = txn.get(digest, db=self.db["blobs"])
+                    data = v.txn.get(digest, db=self.db["blobs"])
                     if data is None or blake3.blake3(data).digest() != digest:
-                        return digest
-            return None
-        bad = await trio.to_thread.run_sync(check)
+                        return digest, digests
+            return None, digests
+        bad, digests = await trio.to_thread.run_sync(check)
         if bad is not None:
             log.error("chunk %s is corrupt or missing in the store; run 'mountfs fsck'",
                       bad.hex())
@@ -90,40 +109,74 @@ class Engine:
                 raise FsError(errno.ESTALE)
             yield View(txn, self.db, epoch, self.chunk_size)
 
-    def _run_write(self, fn, *args):
-        try:
-            with self.store.write() as txn:
-                live = Live(txn, self.db, self.live, self.chunk_size)
-                return fn(live, *args)
-        except StoreFull as e:
-            raise FsError(errno.ENOSPC, str(e)) from e
-
     async def mutate(self, fn, *args):
-        """Run ``fn(live, *args)`` in one write transaction on the trio thread. Only for
-        work bounded to microseconds or a few milliseconds."""
-        async with self.lock:
-            result = self._run_write(fn, *args)
-        self._unsynced = True
-        return result
+        """Run ``fn(live, *args)`` as one step of the next group commit (in a worker
+        thread); returns its result once the step is committed. A step that raises leaves
+        no trace (it runs in a nested transaction)."""
+        return await self._submit(_Step(fn, args, live=True))
 
     async def mutate_in_thread(self, fn, *args):
-        """Run ``fn(txn, *args)`` in one write transaction in a worker thread."""
-        def work():
-            try:
-                with self.store.write() as txn:
-                    return fn(txn, *args)
-            except StoreFull as e:
-                raise FsError(errno.ENOSPC, str(e)) from e
-
-        async with self.lock:
-            result = await trio.to_thread.run_sync(work)
-        self._unsynced = True
-        return result
+        """Run ``fn(txn, *args)`` as one step of the next group commit (for big work:
+        rollback, restore, GC batches)."""
+        return await self._submit(_Step(fn, args, live=False))
 
     async def sync(self) -> None:
-        """Make everything committed durable, off the trio thread."""
-        self._unsynced = False
-        await trio.to_thread.run_sync(self.store.sync)
+        """Make everything committed durable: a commit that also syncs LMDB's meta page
+        (with ``metasync`` off, a commit leaves its meta page unsynced)."""
+        await self._submit(_Step(None, (), live=False, durable=True))
+
+    async def _submit(self, step: "_Step"):
+        """Group commit: steps queue while a batch commits; the first waiting caller then
+        commits everything queued in one LMDB transaction, one fdatasync, in a worker thread
+        (the transaction begins and ends in that one call, as LMDB requires)."""
+        self._pending.append(step)
+        while not step.done:
+            if self._committing is None:
+                self._committing = trio.Event()
+                try:
+                    batch, self._pending = self._pending, []
+                    await trio.to_thread.run_sync(self._commit_batch, batch)
+                finally:
+                    committing, self._committing = self._committing, None
+                    committing.set()
+            else:
+                await self._committing.wait()
+        if step.error is not None:
+            raise step.error
+        return step.result
+
+    def _commit_batch(self, batch: list["_Step"]) -> None:
+        """One write transaction for every step of ``batch`` (each in a nested one), then
+        a synced commit; a durable step also syncs the meta page."""
+        try:
+            with self.store.write() as txn:
+                for step in batch:
+                    if step.fn is not None:
+                        self._run_step(txn, step)
+            if any(step.durable for step in batch):
+                self.store.sync()
+            self._unsynced = not any(step.durable for step in batch)
+        except StoreFull as e:
+            for step in batch:
+                step.error = step.error or FsError(errno.ENOSPC, str(e))
+        except BaseException as e:
+            for step in batch:
+                step.error = step.error or e
+        for step in batch:
+            step.done = True
+
+    def _run_step(self, txn, step: "_Step") -> None:
+        try:
+            with self.store.env.begin(write=True, parent=txn, buffers=True) as child:
+                if step.live:
+                    step.result = step.fn(Live(child, self.db, self.live, self.chunk_size),
+                                          *step.args)
+                else:
+                    step.result = step.fn(child, *step.args)
+        except lmdb.MapFullError as e:
+            step.error = FsError(errno.ENOSPC, f"store map is full: {e}")
+        except Exception as e:
+            step.error = e
 
     async def remove_orphans(self) -> int:
         """Delete inodes left unlinked-but-open by a process that died."""
@@ -140,13 +193,16 @@ class Engine:
         snapshots.validate_name(name)
         await self.files.freeze()
         try:
-            async with self.lock:
-                with self.store.write() as txn:
-                    snap = snapshots.create(txn, self.db, name)
-                self.live = snap.epoch + 1
+            snap = await self.mutate_in_thread(self._create_snapshot, name)
         finally:
             self.files.thaw()
         await self.sync()
+        return snap
+
+    def _create_snapshot(self, txn, name: str) -> S.Snapshot:
+        """A step of a group commit: steps after it in the batch write the new live epoch."""
+        snap = snapshots.create(txn, self.db, name)
+        self.live = snap.epoch + 1
         return snap
 
     def changed_since_snapshot(self) -> bool:
@@ -165,25 +221,15 @@ class Engine:
             return snapshots.get(txn, self.db, name)
 
     async def delete_snapshot(self, name: str, force: bool = False) -> S.Snapshot:
-        async with self.lock:
-            with self.store.write() as txn:
-                snap = snapshots.delete(txn, self.db, name, force)
-        self._unsynced = True
+        snap = await self.mutate_in_thread(snapshots.delete, self.db, name, force)
         self._gc_wakeup.set()
         return snap
 
     async def hold(self, mirror_uuid: bytes, name: str, label: str) -> None:
-        async with self.lock:
-            with self.store.write() as txn:
-                snapshots.set_hold(txn, self.db, mirror_uuid, name, label)
-        self._unsynced = True
+        await self.mutate_in_thread(snapshots.set_hold, self.db, mirror_uuid, name, label)
 
     async def forget_mirror(self, label: str) -> int:
-        async with self.lock:
-            with self.store.write() as txn:
-                dropped = snapshots.drop_holds(txn, self.db, label)
-        self._unsynced = True
-        return dropped
+        return await self.mutate_in_thread(snapshots.drop_holds, self.db, label)
 
     async def rollback(self, name: str, force: bool) -> snapshots.Rollback:
         snap = self.snapshot(name)

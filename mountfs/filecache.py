@@ -19,6 +19,7 @@ from .namespace import FsError
 DIRTY_LIMIT = 256 << 20         # bytes of dirty chunks before writers wait for flushes
 HASH_THREADS = trio.CapacityLimiter(2)
 INLINE_HASH = 64 << 10          # hashing this much takes microseconds: less than a thread hop
+STEP_BYTES = 64 << 20           # chunk data committed in one step (one transaction) at most
 
 
 def chunk_digest(data: bytes) -> bytes:
@@ -180,49 +181,77 @@ class FileCache:
             await self.flush(of)
 
     async def flush_chunks(self, of: OpenFile, idxs: list[int], final: bool) -> None:
+        """Commit the chunks ``idxs`` (and, in the background, every other full dirty chunk
+        of the file) in as few steps as memory allows: one commit costs an fdatasync, so
+        chunks of one file go together, never one commit per chunk."""
+        cs = self.engine.chunk_size
         async with of.lock:
-            for idx in idxs:
-                dc = of.dirty.get(idx)
-                if dc is None:
-                    continue
-                gen, data, size = dc.gen, bytes(dc.data), of.size
-                if len(data) <= INLINE_HASH:
-                    digest = chunk_digest(data)
-                else:
-                    digest = await trio.to_thread.run_sync(chunk_digest, data,
-                                                           limiter=HASH_THREADS)
-                await self.engine.mutate(self._commit_chunk, of, idx, digest, data, size)
-                if of.dirty.get(idx) is dc and dc.gen == gen:
-                    del of.dirty[idx]
-                    self.dirty_bytes -= self.engine.chunk_size
-                    self.flushed.set()
+            if not final:
+                idxs = sorted(set(idxs) | {i for i, dc in of.dirty.items()
+                                           if len(dc.data) == cs})
+            todo = [(idx, of.dirty[idx]) for idx in idxs if idx in of.dirty]
+            per_step = max(1, STEP_BYTES // cs)
+            for first in range(0, len(todo), per_step):
+                last = first + per_step >= len(todo)
+                await self._commit_group(of, todo[first:first + per_step], final and last)
             if final and of.mtime_ns is not None and not of.dirty:
-                await self.engine.mutate(self._commit_attrs, of, of.size)
+                mtime = of.mtime_ns
+                await self.engine.mutate(self._commit_attrs, of, of.size, mtime)
+                if of.mtime_ns == mtime:        # no write came while committing
+                    of.mtime_ns = None
             if of.opens == 0 and not of.dirty:
                 self.files.pop(of.ino, None)
 
-    def _commit_chunk(self, live, of: OpenFile, idx: int, digest: bytes, data: bytes,
-                      size: int) -> None:
-        """``size`` is the file's size when ``data`` was copied: writes that came while
-        waiting for the lock are not in ``data`` and must not be in the committed size (a
-        snapshot would show zeros there)."""
+    async def _commit_group(self, of: OpenFile, group: list[tuple[int, DirtyChunk]],
+                            whole: bool) -> None:
+        """``whole``: the group holds every dirty chunk, so the step also commits the file's
+        size and mtime (a close costs one commit, not two)."""
+        copies = [(idx, dc, dc.gen, bytes(dc.data)) for idx, dc in group]
+        size, mtime = of.size, of.mtime_ns
+        datas = [data for _, _, _, data in copies]
+        if sum(map(len, datas)) <= INLINE_HASH:
+            digests = [chunk_digest(d) for d in datas]
+        else:
+            digests = await trio.to_thread.run_sync(
+                lambda: [chunk_digest(d) for d in datas], limiter=HASH_THREADS)
+        chunks = [(idx, digest, data) for (idx, _, _, data), digest in zip(copies, digests)]
+        whole = whole and len(copies) == len(of.dirty)
+        await self.engine.mutate(self._commit_chunks, of, chunks, size, mtime, whole)
+        for idx, dc, gen, _ in copies:
+            if of.dirty.get(idx) is dc and dc.gen == gen:
+                del of.dirty[idx]
+                self.dirty_bytes -= self.engine.chunk_size
+                self.flushed.set()
+        if whole and not of.dirty and of.mtime_ns == mtime:
+            of.mtime_ns = None                  # size and mtime went with the chunks
+
+    def _commit_chunks(self, live, of: OpenFile, chunks: list[tuple[int, bytes, bytes]],
+                       size: int, mtime: int | None, whole: bool) -> None:
+        """``size`` and ``mtime`` are the file's when the chunks were copied: writes that
+        came while waiting for the commit are not in the data and must not be in the
+        committed size (a snapshot would show zeros there). Runs in the committing thread:
+        reads nothing of ``of`` that the trio thread may change but its size, which only
+        ever lowers the committed size (a truncation meanwhile)."""
         rec = live.inode(of.ino)
         if rec is None:                 # deleted meanwhile (a rollback): drop the data
             return
-        live.put_chunk(of.ino, idx, digest, data)
         cs = self.engine.chunk_size
-        size = max(rec.size, min(size, of.size, (idx + 1) * cs))
-        live.save(of.ino, rec.evolve(size=size, mtime_ns=of.mtime_ns or rec.mtime_ns,
-                                     ctime_ns=of.mtime_ns or rec.ctime_ns))
+        new_size = rec.size
+        for idx, digest, data in chunks:
+            live.put_chunk(of.ino, idx, digest, data)
+            new_size = max(new_size, min(size, of.size, (idx + 1) * cs))
+        if whole:                       # nothing else is dirty: the whole size is written
+            new_size = max(rec.size, min(size, of.size))
+        live.save(of.ino, rec.evolve(size=new_size, mtime_ns=mtime or rec.mtime_ns,
+                                     ctime_ns=mtime or rec.ctime_ns))
 
-    def _commit_attrs(self, live, of: OpenFile, size: int) -> None:
+    def _commit_attrs(self, live, of: OpenFile, size: int, mtime: int) -> None:
         """``size``: the file's size when nothing was dirty (see _commit_chunk)."""
         rec = live.inode(of.ino)
         if rec is None:
             return
-        live.save(of.ino, rec.evolve(size=max(rec.size, min(size, of.size)), mtime_ns=of.mtime_ns,
-                                     ctime_ns=of.mtime_ns))
-        of.mtime_ns = None
+        live.save(of.ino, rec.evolve(size=max(rec.size, min(size, of.size)), mtime_ns=mtime,
+                                     ctime_ns=mtime))
 
     def forget_dirty(self, ino: int) -> None:
         """Drop buffered data of an inode that no longer exists."""

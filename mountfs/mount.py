@@ -151,7 +151,7 @@ async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> Non
             await engine.files.flush_all()
         except FsError as e:
             log.error("could not flush buffered data at unmount: %s", e)
-        await engine.sync()
+        await engine.sync()         # a no-op on a read-only store
         nursery.cancel_scope.cancel()
 
 
@@ -209,14 +209,41 @@ def mount_background(store: str, mountpoint: str, allow_other: bool, read_only: 
     raise StoreError(text.removeprefix("ERROR "))
 
 
-def umount(mountpoint: str, timeout: float = 120.0) -> None:
+def _server_pid(info: MountInfo) -> int | None:
+    """The process serving the mount at ``info.mountpoint``: its own record, or (a mount of
+    an older version) the store lock's holder if that names this mountpoint. Never another
+    process of the store (a writer beside a read-only mount, a mirror's receiver)."""
+    from .control import mount_record
     from .store import lock_holder
+    rec = mount_record(info.mountpoint)
+    if rec is not None and rec["store"] == info.store:
+        return rec["pid"]
+    holder = lock_holder(info.store) or ""
+    if holder.startswith("pid ") and holder.endswith(f" mounted at {info.mountpoint}"):
+        return int(holder.split()[1])
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:                        # a zombie has released everything already
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def umount(mountpoint: str, timeout: float = 120.0) -> None:
+    """Unmount, then wait until the process that served this mountpoint has flushed, closed
+    the store and exited: once this returns the store is free (fsck, another mount)."""
     mountpoint = os.path.abspath(mountpoint)
     info = next((m for m in mounts() if m.mountpoint == mountpoint), None)
     if info is None:
         raise StoreError(f"{mountpoint} is not a mountfs mount")
-    holder = lock_holder(info.store) or ""
-    pid = int(holder.split()[1]) if holder.startswith("pid ") else None
+    pid = _server_pid(info)
     dead = False
     try:
         os.stat(mountpoint)
@@ -231,11 +258,7 @@ def umount(mountpoint: str, timeout: float = 120.0) -> None:
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        if lock_holder(info.store) is None:
+        if not _alive(pid):
             return
         time.sleep(0.05)
     raise StoreError(f"unmounted, but the mount process {pid} has not exited after "

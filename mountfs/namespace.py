@@ -223,6 +223,8 @@ class Live(View):
     def _next_ino(self) -> int:
         meta = self.db["meta"]
         ino = S.from_u64(self.txn.get(b"next_ino", db=meta))
+        if ino > S.MAX_INO:
+            raise FsError(errno.ENOSPC, f"every inode number up to {S.MAX_INO} is used")
         self.txn.put(b"next_ino", S.u64(ino + 1), db=meta)
         return ino
 

@@ -3,8 +3,11 @@
 Inode numbers seen by the kernel:
 * below ``VIRT_BASE``: live inodes, the store's own numbers (never reused);
 * ``SNAPDIR_INO``: the virtual ``.snapshot`` directory at the root (entered by name only);
-* above it: an inode as of a snapshot, numbered on demand and forgotten when the kernel
-  forgets it, so any number of snapshots can be browsed.
+* above it: an inode as of a snapshot, ``VIRT_BASE + (snapshot id << 40) + store inode``.
+  A pure function of (snapshot, store inode): hard links stay links, numbers hold across
+  forgets and remounts for the snapshot's whole life. Snapshot ids are never reused by a
+  store, so a number the kernel still holds after its snapshot is deleted is ESTALE, never
+  another snapshot's data.
 
 Every handler runs under ``guard``: an unexpected exception is logged and answered with EIO
 instead of killing the mount (pyfuse3 only catches FUSEError).
@@ -30,6 +33,9 @@ log = logging.getLogger(__name__)
 
 VIRT_BASE = 1 << 62
 SNAPDIR_INO = VIRT_BASE
+INO_BITS = 40                       # store inodes are at most schema.MAX_INO = 2**40 - 1
+assert S.MAX_INO < 1 << INO_BITS
+assert VIRT_BASE + (S.MAX_SNAP_ID << INO_BITS) + S.MAX_INO < 1 << 64
 SNAPDIR_NAME = b".snapshot"
 LIVE_TIMEOUT = 300.0
 SNAP_TIMEOUT = 3600.0
@@ -68,9 +74,7 @@ class Operations(pyfuse3.Operations):
         self.engine = engine
         self.read_only = read_only
         self.lookups: dict[int, int] = {}
-        self.virt: dict[int, tuple[int, int]] = {}
-        self.virt_rev: dict[tuple[int, int], int] = {}
-        self.next_virt = VIRT_BASE + 1
+        self.snap_epochs: dict[int, int] = {}       # snapshot id -> epoch, of known ones
         self.handles: dict[int, Handle] = {}
         self.dirs: dict[int, tuple[int, list]] = {}
         self.next_fh = 1
@@ -79,25 +83,28 @@ class Operations(pyfuse3.Operations):
     # ---- inode numbers -------------------------------------------------------------------
 
     def _where(self, ino: int) -> tuple[int | None, int]:
-        """(epoch or None for live, store inode) of a kernel inode number."""
+        """(epoch or None for live, store inode) of a kernel inode number. A snapshot that
+        no longer exists is ESTALE (``engine.view`` checks it again in its transaction)."""
         if ino < VIRT_BASE:
             return None, ino
-        try:
-            return self.virt[ino]
-        except KeyError:
-            raise FsError(errno.ESTALE) from None
+        snap_id, real = divmod(ino - VIRT_BASE, 1 << INO_BITS)
+        epoch = self.snap_epochs.get(snap_id)
+        if epoch is None:
+            self.snap_epochs = {s.snap_id: s.epoch for s in self.engine.list_snapshots()}
+            epoch = self.snap_epochs.get(snap_id)
+        if epoch is None or real == 0:
+            raise FsError(errno.ESTALE)
+        return epoch, real
 
-    def _virtual(self, epoch: int, real: int) -> int:
-        v = self.virt_rev.get((epoch, real))
-        if v is None:
-            v = self.next_virt
-            self.next_virt += 1
-            self.virt[v] = (epoch, real)
-            self.virt_rev[(epoch, real)] = v
-        return v
+    def _virtual(self, snap: S.Snapshot, real: int) -> int:
+        self.snap_epochs[snap.snap_id] = snap.epoch
+        return VIRT_BASE + (snap.snap_id << INO_BITS) + real
 
-    def _kernel_ino(self, epoch: int | None, real: int) -> int:
-        return real if epoch is None else self._virtual(epoch, real)
+    def _kernel_ino(self, kparent: int, real: int) -> int:
+        """The number of store inode ``real`` seen in directory ``kparent`` (same view)."""
+        if kparent < VIRT_BASE:
+            return real
+        return kparent - (kparent - VIRT_BASE) % (1 << INO_BITS) + real
 
     def _writable(self, ino: int) -> None:
         if ino >= VIRT_BASE:
@@ -164,17 +171,19 @@ class Operations(pyfuse3.Operations):
                 snap = self.engine.snapshot(os.fsdecode(name))
             except Exception:
                 raise FsError(errno.ENOENT) from None
-            kino = self._virtual(snap.epoch, S.ROOT_INO)
+            kino = self._virtual(snap, S.ROOT_INO)
             with self.engine.view(snap.epoch) as v:
                 attrs = self._attrs(kino, v.get(S.ROOT_INO), live=False)
             self._counted(kino)
             return attrs
+        if len(name) > S.NAME_MAX:      # before the lookup: POSIX says so, not ENOENT
+            raise FsError(errno.ENAMETOOLONG)
         epoch, real = self._where(parent_inode)
         with self.engine.view(epoch) as v:
             child = v.lookup(real, name)
             if child is None:
                 raise FsError(errno.ENOENT)
-            kino = self._kernel_ino(epoch, child)
+            kino = self._kernel_ino(parent_inode, child)
             attrs = self._attrs(kino, v.get(child), live=epoch is None)
         self._counted(kino)
         return attrs
@@ -186,11 +195,7 @@ class Operations(pyfuse3.Operations):
                 self.lookups[ino] = left
                 continue
             self.lookups.pop(ino, None)
-            if ino > SNAPDIR_INO:
-                key = self.virt.pop(ino, None)
-                if key is not None:
-                    self.virt_rev.pop(key, None)
-            elif ino < VIRT_BASE:
+            if ino < VIRT_BASE:
                 await self._reap(ino)
 
     async def _reap(self, ino: int) -> None:
@@ -388,38 +393,38 @@ class Operations(pyfuse3.Operations):
 
     @guard
     async def read(self, fh, off, size):
+        """Served from one transaction in which every chunk read is already verified: a
+        flush committing a rewrite between the check and the read only means checking the
+        new chunks too (the old or the new data, never an error)."""
         h = self.handles[fh]
-        ino = h.real if h.of is None else h.of.ino
-        with self.engine.view(h.epoch if h.of is None else None) as v:
-            unchecked = self.engine.unverified(v, ino, off, size)
-        if unchecked:
-            await self.engine.verify(unchecked)
-        if h.of is None:
-            with self.engine.view(h.epoch) as v:
-                return v.read(h.real, off, size, h.size)
-        return self._read_live(h.of, off, size)
+        epoch, ino = (h.epoch, h.real) if h.of is None else (None, h.of.ino)
+        while True:
+            with self.engine.view(epoch) as v:
+                if not self.engine.unverified(v, ino, off, size):
+                    if h.of is None:
+                        return v.read(h.real, off, size, h.size)
+                    return self._read_live(v, h.of, off, size)
+            await self.engine.verify(epoch, ino, off, size)
 
-    def _read_live(self, of: OpenFile, off: int, size: int) -> bytes:
+    def _read_live(self, v, of: OpenFile, off: int, size: int) -> bytes:
         end = min(off + size, of.size)
         if off >= end:
             return b""
         if not of.dirty:
-            with self.engine.view() as v:
-                return v.read(of.ino, off, end - off, of.size)
+            return v.read(of.ino, off, end - off, of.size)
         cs = self.engine.chunk_size
         out = bytearray()
-        with self.engine.view() as v:
-            pos = off
-            while pos < end:
-                idx, within = divmod(pos, cs)
-                take = min(cs - within, end - pos)
-                data = self.engine.files.read(of, idx)
-                if data is None:
-                    out += v.read(of.ino, pos, take, of.size)
-                else:
-                    piece = data[within:within + take]
-                    out += piece + bytes(take - len(piece))
-                pos += take
+        pos = off
+        while pos < end:
+            idx, within = divmod(pos, cs)
+            take = min(cs - within, end - pos)
+            data = self.engine.files.read(of, idx)
+            if data is None:
+                out += v.read(of.ino, pos, take, of.size)
+            else:
+                piece = data[within:within + take]
+                out += piece + bytes(take - len(piece))
+            pos += take
         return bytes(out)
 
     @guard
@@ -466,14 +471,16 @@ class Operations(pyfuse3.Operations):
         self.dirs[fh] = (inode, [])
         return fh
 
-    def _listing(self, inode: int) -> list[tuple[bytes, int | None, int]]:
-        """(name, epoch, store inode) of every entry, frozen at the start of a readdir."""
+    def _listing(self, inode: int) -> list[tuple[bytes, int | None, int, int]]:
+        """(name, epoch, store inode, kernel inode) of every entry, frozen at the start of a
+        readdir."""
         if inode == SNAPDIR_INO:
-            return [(s.name.encode("utf-8", "surrogateescape"), s.epoch, S.ROOT_INO)
-                    for s in self.engine.list_snapshots()]
+            return [(s.name.encode("utf-8", "surrogateescape"), s.epoch, S.ROOT_INO,
+                     self._virtual(s, S.ROOT_INO)) for s in self.engine.list_snapshots()]
         epoch, real = self._where(inode)
         with self.engine.view(epoch) as v:
-            return [(name, epoch, child) for name, child in v.listdir(real)]
+            return [(name, epoch, child, self._kernel_ino(inode, child))
+                    for name, child in v.listdir(real)]
 
     @guard
     async def readdir(self, fh, start_id, token):
@@ -491,12 +498,11 @@ class Operations(pyfuse3.Operations):
                 return
             start_id = 2
         for i in range(start_id - 2, len(entries)):
-            name, epoch, real = entries[i]
+            name, epoch, real, kino = entries[i]
             with self.engine.view(epoch) as v:
                 rec = v.inode(real)
             if rec is None:
                 continue
-            kino = self._kernel_ino(epoch, real)
             if not pyfuse3.readdir_reply(token, name, self._attrs(kino, rec, epoch is None),
                                          i + 3):
                 break

@@ -73,6 +73,9 @@ ROOT_INO = 1
 # where snapshot views are numbered), so every number that enters from outside (a mirror's
 # commit, a promoted mirror's counter) can be checked against one bound.
 MAX_INO = (1 << 40) - 1
+# Snapshot ids (never reused by a store) number a snapshot's view in the mount's inode space
+# (ops.py: 2**62 + (id << 40) + store inode), which holds this many below 2**64.
+MAX_SNAP_ID = 3 * (1 << 22) - 1
 DIGEST_SIZE = 32
 NAME_MAX = 255
 

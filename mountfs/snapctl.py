@@ -39,7 +39,8 @@ class Target:
         """Whether a mount serves the store. A socket we may not use is a mount too (the
         request itself then says so), not an offline store to open."""
         try:
-            control.request(self.store, {"op": "status"}, timeout=10)
+            control.request(self.store, {"op": "status"}, timeout=10,
+                            mountpoint=self.mountpoint)
             return True
         except control.ControlError as e:
             return str(e).startswith("permission denied")
@@ -77,7 +78,7 @@ def syncfs(path: str) -> None:
 def run(target: Target, request: dict, offline) -> dict:
     """Send ``request`` to the mount, or run ``offline(store)`` on the unmounted store."""
     if target.mounted:
-        return control.request(target.store, request)
+        return control.request(target.store, request, mountpoint=target.mountpoint)
     from .store import Store
     store = Store.open(target.store, holder="snapctl")
     try:
@@ -223,7 +224,7 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
         if to_snap == "." and where.mounted:
             if where.mountpoint:
                 syncfs(where.mountpoint)
-            control.request(where.store, {"op": "flush"})
+            control.request(where.store, {"op": "flush"}, mountpoint=where.mountpoint)
         store = Store.open(where.store, readonly=True, lock=False, readahead=False)
     except StoreError as e:
         fail(str(e))

@@ -22,10 +22,23 @@ class SnapshotError(StoreError):
     """A user-facing snapshot error (bad name, unknown snapshot, existing target)."""
 
 
+# Characters that would let a name rewrite what `snapctl list` shows: C0 and C1 controls
+# and DEL (newline, ESC sequences), and the bidirectional overrides.
+_SPOOFING = {*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)}
+
+
 def validate_name(name: str) -> bytes:
-    raw = name.encode("utf-8", "surrogateescape")
+    """A snapshot name as stored: UTF-8, printable, no '/', not '.' or '..', NAME_MAX bytes."""
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SnapshotError("snapshot name is not valid UTF-8") from None
     if not raw:
         raise SnapshotError("snapshot name must not be empty")
+    bad = next((c for c in name if ord(c) in _SPOOFING), None)
+    if bad is not None:
+        raise SnapshotError(f"snapshot name {name!r} contains the control character "
+                            f"U+{ord(bad):04X}; use printable characters")
     if b"/" in raw or b"\0" in raw:
         raise SnapshotError(f"snapshot name {name!r} must not contain '/' or NUL")
     if raw in (b".", b".."):
@@ -47,6 +60,9 @@ def create(txn, dbs, name: str, snap_uuid: bytes | None = None,
     meta = dbs["meta"]
     epoch = live_epoch(txn, dbs)
     snap_id = S.from_u64(txn.get(b"next_snap_id", db=meta))
+    if snap_id > S.MAX_SNAP_ID:
+        raise SnapshotError(f"this store has used all {S.MAX_SNAP_ID} snapshot ids (they "
+                            f"number snapshot inodes and are never reused)")
     snap = S.Snapshot(name, epoch, created_ns or time.time_ns(), snap_id,
                       snap_uuid or uuidlib.uuid4().bytes)
     txn.put(raw, snap.pack(), db=dbs["snaps"])

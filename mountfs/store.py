@@ -5,10 +5,14 @@ A store is a directory holding ``data.mdb`` (LMDB), ``lock`` (an flock held by t
 process that may write: a mount, or snapctl/fsck working offline) and, while mounted,
 ``control.sock``.
 
-Durability: transactions commit without fsync (microseconds, so they can run on the trio
-thread); ``sync()`` makes everything committed so far durable and is called on fsync(), after a
-snapshot, on unmount, and every second by the mount's syncer. A killed process loses nothing
-that was committed: committed pages are in the kernel's page cache.
+Durability: LMDB runs with ``sync=True, metasync=False``: a commit writes its data pages,
+fdatasyncs them, then writes the meta page without a sync. Data pages therefore reach the disk
+before the meta page that points at them, and pages are reused only two transactions after
+they were freed, so a power loss leaves the store whole: at worst the newest commit is undone
+(its meta page lost). ``sync()`` syncs that meta page too; it runs on fsync(), after a
+snapshot, on unmount, and every second by the mount's syncer. A commit costs an fdatasync, so
+the mount groups many operations into one commit, in a worker thread (engine.py). A killed
+process loses nothing that was committed. tests/test_powerloss.py checks all of this.
 """
 
 from __future__ import annotations
@@ -136,8 +140,11 @@ class Store:
             self.lockfd = None
 
     def sync(self) -> None:
-        """Make every committed transaction durable (fdatasync). Safe from any thread."""
-        self.env.sync(True)
+        """Make every committed transaction durable (fdatasync). Safe from any thread. A
+        read-only store has nothing of its own to make durable: syncing it is a no-op (LMDB
+        refuses it, and the writer beside us owns the file)."""
+        if not self.readonly:
+            self.env.sync(True)
 
     # ---- transactions --------------------------------------------------------------------
 
@@ -196,7 +203,7 @@ def _open_env(path: Path, readonly: bool, create: bool,
     # readahead made a cold diff of a 1M-file store ~5x slower (docs/benchmarks.md).
     try:
         return lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=len(S.DB_NAMES) + 2,
-                         readonly=readonly, create=create, sync=False, metasync=False,
+                         readonly=readonly, create=create, sync=True, metasync=False,
                          readahead=readahead, max_readers=1024, lock=True)
     except lmdb.Error as e:
         raise StoreError(f"{path}: cannot open store: {e}") from e

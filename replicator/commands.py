@@ -312,15 +312,18 @@ def _with_mirror_source(local: click.Command) -> click.Command:
                      help="Bring NAME (or PATH of it) back from this mirror instead."),
         click.Option(["--token-file"], type=click.Path(dir_okay=False), help=TOKEN_HELP),
         click.Option(["--ca-file"], type=click.Path(dir_okay=False), help=CA_HELP),
+        click.Option(["--allow-special"], is_flag=True,
+                     help="With --from: also restore set-uid/set-gid files, file "
+                          "capabilities and device nodes (root only; refused otherwise)."),
     ]
 
     @click.pass_context
-    def callback(ctx, mirror_url, token_file, ca_file, **kwargs):
+    def callback(ctx, mirror_url, token_file, ca_file, allow_special, **kwargs):
         if mirror_url is None:
             return ctx.invoke(local.callback, **kwargs)
         _restore_from_mirror(snapctl.target_of(ctx), mirror_url, kwargs["name"],
                              kwargs["path"], kwargs["dest"], kwargs["force"], token_file,
-                             ca_file)
+                             ca_file, allow_special)
 
     return click.Command(local.name, params=local.params + params, callback=callback,
                          context_settings=CONTEXT, help=local.help + """
@@ -332,7 +335,8 @@ def _with_mirror_source(local: click.Command) -> click.Command:
     travel.""")
 
 
-def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_file):
+def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_file,
+                         allow_special):
     from replicator.restore import restore_from
     if not where.mountpoint:
         fail("restore --from writes through the mounted filesystem: mount the store and "
@@ -343,7 +347,7 @@ def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_fil
         mirror = open_checked_mirror(where, url, token_file, ca_file, create=False)
         try:
             result = restore_from(mirror, where.store, where.mountpoint, name, rel, to,
-                                  force)
+                                  force, allow_special)
         finally:
             mirror.close()
     except StoreError as e:
@@ -353,6 +357,10 @@ def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_fil
     click.echo(f"restored ./{rel} of {name} from {url} to ./{to}: {result.entries} entries, "
                f"{result.bytes_fetched} bytes fetched, {result.bytes_local} bytes found "
                f"locally")
+    if result.left_out:
+        click.echo(f"snapctl: warning: {len(result.left_out)} special files left out or "
+                   f"stripped of set-id bits (e.g. {result.left_out[0]}): only root can "
+                   f"restore them, with --allow-special", err=True)
 
 
 restore = _with_mirror_source(snapctl.restore)

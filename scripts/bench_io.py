@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Benchmark of issue 2: I/O through a mountfs mount against a plain directory on the same disk,
-in the same run, printed as ratios; snapshot creation latency at two store sizes; and a
-chunk-size sweep that justifies the default chunk size.
+"""Benchmarks of issues 2 and 12: everyday work through a mountfs mount against a plain
+directory on the same disk and against the floor (scripts/nullfs.py, a do-nothing pyfuse3+trio
+filesystem), in the same run, printed as ratios: untar of the Python stdlib, a git checkout
+between two distant commits, 10,000 small files, 1 GiB sequential I/O, random 4 KiB IOPS (fio);
+snapshot creation latency at two store sizes; and a chunk-size sweep.
 
     .venv/bin/python scripts/bench_io.py            # the issue's figures (1 GiB, 10,000 files...)
     .venv/bin/python scripts/bench_io.py --quick    # a smoke run (seconds)
@@ -239,20 +241,6 @@ def seq_compare(work: Workdir, size: int, block: int, repeat: int,
     return medians(mnt), medians(base)
 
 
-def bench_seq(work: Workdir, size: int, block: int, repeat: int, res: Results) -> None:
-    mnt, base = seq_compare(work, size, block, repeat)
-    rows, out = [], {}
-    for key, label in (("write_mbs", "seq write MB/s"), ("read_mbs", "seq read MB/s")):
-        ratio = mnt[key] / base[key]
-        out[key] = {"mount": mnt[key], "plain": base[key], "ratio": ratio}
-        rows.append([label, f"{mnt[key]:.0f}", f"{base[key]:.0f}", f"{ratio:.0%}",
-                     verdict(ratio >= TARGETS["throughput_ratio"])])
-    res.add("sequential", out)
-    print_table(f"sequential I/O, {size // MiB} MiB file in {block // 1024} KiB blocks, median "
-                f"of {repeat} (write includes fsync+close; caches dropped before the read)",
-                ["figure", "mount", "plain dir", "ratio", "target >= 40%"], rows)
-
-
 # ---- small files -----------------------------------------------------------------------------
 
 def small_files(root: Path, count: int, size: int, remount=None) -> dict:
@@ -287,27 +275,6 @@ def small_files(root: Path, count: int, size: int, remount=None) -> dict:
     d.rmdir()
     return {k: count / v for k, v in (("create", create), ("stat_warm", stat_warm),
                                       ("stat_cold", stat_cold), ("delete", delete))}
-
-
-def bench_small(work: Workdir, count: int, size: int, res: Results) -> None:
-    plain = work.path / "plain"
-    plain.mkdir(exist_ok=True)
-    base = small_files(plain, count, size)
-    m = MountedStore(work, "small")
-    try:
-        mnt = small_files(m.mnt, count, size, remount=m.remount)
-    finally:
-        m.close()
-    rows, out = [], {}
-    for key in ("create", "stat_warm", "stat_cold", "delete"):
-        ratio = mnt[key] / base[key]
-        out[key] = {"mount": mnt[key], "plain": base[key], "ratio": ratio}
-        rows.append([f"{key} ops/s", f"{mnt[key]:,.0f}", f"{base[key]:,.0f}", f"{ratio:.1%}",
-                     verdict(mnt[key] >= TARGETS["small_ops"])])
-    res.add("small_files", out)
-    print_table(f"{count:,} small files of {size} bytes in one directory (stat_cold: after "
-                f"remount and drop_caches)",
-                ["figure", "mount", "plain dir", "ratio", "target >= 3000/s"], rows)
 
 
 # ---- snapshot creation -----------------------------------------------------------------------
@@ -406,6 +373,234 @@ def bench_sweep(work: Workdir, chunk_sizes: list[str], size: int, block: int, re
                 rows)
 
 
+# ---- the three targets: plain directory, the do-nothing pyfuse3 floor, the mount ----------
+
+class Floor:
+    """scripts/nullfs.py mounted in the work directory: a pyfuse3+trio filesystem that keeps
+    names in dicts and data in memory, with the same kernel-side options as mountfs."""
+
+    def __init__(self, work: Workdir, name: str = "floor"):
+        self.work = work
+        self.mnt = work.path / f"{name}.mnt"
+        self.mnt.mkdir()
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "nullfs.py"),
+                                      str(self.mnt), *FLOOR_OPTIONS])
+        for _ in range(500):
+            if os.path.ismount(self.mnt):
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError("scripts/nullfs.py did not start")
+            time.sleep(0.02)
+        work.mounts.append(self.mnt)
+
+    def close(self) -> None:
+        run("fusermount3", "-u", self.mnt)
+        self.work.mounts.remove(self.mnt)
+        self.proc.wait(timeout=60)
+        self.mnt.rmdir()
+
+
+FLOOR_OPTIONS: list[str] = []     # nullfs.py options matching mountfs's kernel-side options
+
+
+def three_way(work: Workdir, label: str, measure) -> dict:
+    """``measure(root, remount)`` -> {figure: value} on a plain directory, the floor and a
+    fresh mount, in that order, in this run."""
+    out = {}
+    plain = work.path / f"plain-{label}"
+    plain.mkdir()
+    try:
+        out["plain"] = measure(plain, None)
+    finally:
+        shutil.rmtree(plain)
+    floor = Floor(work)
+    try:
+        out["floor"] = measure(floor.mnt, None)
+    finally:
+        floor.close()
+    m = MountedStore(work, label)
+    try:
+        out["mount"] = measure(m.mnt, m.remount)
+    finally:
+        m.close()
+    return out
+
+
+def print_three_way(title: str, figures: dict, keys: list[tuple[str, str, bool]],
+                    target=None) -> None:
+    """keys: (figure, label, higher is better). Ratios say how many times slower the mount
+    is (>1: slower) than the plain directory and than the floor."""
+    rows = []
+    for key, label, higher in keys:
+        p, f, m = (figures[t][key] for t in ("plain", "floor", "mount"))
+        slower = (lambda a, b: a / b) if higher else (lambda a, b: b / a)
+        rows.append([label, f"{m:,.2f}", f"{f:,.2f}", f"{p:,.2f}", f"{slower(p, m):.2f}x",
+                     f"{slower(f, m):.2f}x", target(key, figures) if target else ""])
+    print_table(title, ["figure", "mount", "floor", "plain dir", "vs plain", "vs floor",
+                        "target"], rows)
+
+
+def stdlib_tarball(work: Workdir) -> Path:
+    """The Python standard library (lib/python3.11 without __pycache__) as one tar file."""
+    import sysconfig
+    tarball = work.path / "stdlib.tar"
+    if not tarball.exists():
+        run("tar", "-cf", tarball, "--exclude=__pycache__", "-C",
+            sysconfig.get_paths()["stdlib"], ".")
+    return tarball
+
+
+def untar(tarball: Path):
+    def measure(root: Path, remount) -> dict:
+        drop_caches()
+        t0 = time.perf_counter()
+        run("tar", "-xf", tarball, "-C", root)
+        os.sync()
+        took = time.perf_counter() - t0
+        entries = int(run("sh", "-c", f"find '{root}' | wc -l").stdout) - 1
+        return {"seconds": took, "entries": entries}
+    return measure
+
+
+def bench_untar(work: Workdir, res: Results) -> None:
+    figures = three_way(work, "untar", untar(stdlib_tarball(work)))
+    res.add("untar", figures)
+    print_three_way(f"untar of the stdlib ({figures['plain']['entries']:,} entries) + sync, "
+                    f"seconds", figures, [("seconds", "untar+sync s", False)],
+                    lambda k, f: verdict(f["mount"][k] <= 1.5 * f["floor"][k])
+                    + " (<= 1.5x floor)")
+
+
+def synthetic_repo(work: Workdir, files: int) -> tuple[Path, str, str]:
+    """A git repository of ``files`` files in 100 directories and two distant commits:
+    A, then 30 commits later B, where a third of the files changed, a tenth were deleted,
+    a tenth added and some renamed. Packed, so copying it is cheap."""
+    repo = work.path / "repo"
+    if (repo / ".git").exists():
+        return repo, "A", "B"
+    repo.mkdir()
+    git = lambda *a: run("git", "-C", repo, *a)     # noqa: E731
+    git("init", "-q")
+    git("config", "user.email", "bench@example.invalid")
+    git("config", "user.name", "bench")
+    import random
+    rnd = random.Random(1)
+    paths = [f"d{i % 100:02d}/f{i:05d}.txt" for i in range(files)]
+    for p in paths:
+        (repo / p).parent.mkdir(exist_ok=True)
+        (repo / p).write_bytes(rnd.randbytes(rnd.choice([200, 1500, 6000])).hex().encode())
+    git("add", "-A")
+    git("commit", "-qm", "A")
+    git("tag", "A")
+    for c in range(30):
+        for p in rnd.sample(paths, files // 90):
+            (repo / p).write_text(f"changed in {c}\n" + (repo / p).read_text()[:3000])
+        for p in rnd.sample(paths, files // 300):
+            if (repo / p).exists():
+                paths.remove(p)
+                (repo / p).unlink()
+        for n in range(files // 300):
+            p = f"n{c:02d}/g{n:05d}.txt"
+            (repo / p).parent.mkdir(exist_ok=True)
+            (repo / p).write_text(f"new {c} {n}\n" * 20)
+            paths.append(p)
+        git("add", "-A")
+        git("commit", "-qm", f"c{c}")
+    git("tag", "B")
+    git("gc", "-q")
+    git("checkout", "-q", "A")
+    return repo, "A", "B"
+
+
+def checkout(repo: Path, a: str, b: str):
+    def measure(root: Path, remount) -> dict:
+        clone = root / "repo"
+        run("cp", "-a", repo, clone)
+        run("git", "-C", clone, "checkout", "-qf", a)
+        if remount:
+            remount()
+        drop_caches()
+        t0 = time.perf_counter()
+        run("git", "-C", clone, "checkout", "-q", b)
+        os.sync()
+        took = time.perf_counter() - t0
+        return {"seconds": took}
+    return measure
+
+
+def bench_git(work: Workdir, files: int, res: Results) -> None:
+    repo, a, b = synthetic_repo(work, files)
+    figures = three_way(work, "git", checkout(repo, a, b))
+    res.add("git_checkout", figures)
+    print_three_way(f"git checkout between two commits 30 apart of a {files:,}-file "
+                    f"repository + sync, seconds", figures,
+                    [("seconds", "checkout+sync s", False)],
+                    lambda k, f: verdict(f["mount"][k] <= 1.5 * f["floor"][k])
+                    + " (<= 1.5x floor)")
+
+
+def ensure_fio() -> str | None:
+    if shutil.which("fio") is None:
+        subprocess.run(["apt-get", "install", "-y", "-q", "fio"], capture_output=True)
+    return shutil.which("fio")
+
+
+def random_io(size: int, seconds: int):
+    def measure(root: Path, remount) -> dict:
+        target = root / "rand"
+        write_file(target, size, MiB)
+        out = {}
+        for mode in ("randread", "randwrite"):
+            drop_caches()
+            res = run("fio", "--name=r", f"--filename={target}", f"--size={size}",
+                      f"--rw={mode}", "--bs=4k", "--ioengine=psync", f"--runtime={seconds}",
+                      "--time_based", "--end_fsync=1", "--output-format=json")
+            job = json.loads(res.stdout)["jobs"][0]
+            out[mode] = job["read" if mode == "randread" else "write"]["iops"]
+        target.unlink()
+        return out
+    return measure
+
+
+def bench_random(work: Workdir, size: int, seconds: int, res: Results) -> None:
+    if ensure_fio() is None:
+        print("\nrandom 4 KiB I/O: fio is not installed and apt-get could not install it")
+        return
+    figures = three_way(work, "rand", random_io(size, seconds))
+    res.add("random_4k", figures)
+    print_three_way(f"random 4 KiB I/O on a {size // MiB} MiB file, fio psync, 1 job, "
+                    f"{seconds} s each (caches dropped before each), IOPS", figures,
+                    [("randread", "randread IOPS", True), ("randwrite", "randwrite IOPS", True)],
+                    lambda k, f: verdict(f["mount"][k] >= 5000) + " (>= 5,000)")
+
+
+def bench_small3(work: Workdir, count: int, size: int, res: Results) -> None:
+    figures = three_way(work, "small", lambda root, remount: small_files(root, count, size,
+                                                                         remount))
+    res.add("small_files", figures)
+    print_three_way(f"{count:,} small files of {size} bytes in one directory, ops/s "
+                    f"(stat_cold: after remount and drop_caches)", figures,
+                    [(k, f"{k} ops/s", True) for k in ("create", "stat_warm", "stat_cold",
+                                                       "delete")],
+                    lambda k, f: verdict(f["mount"][k] >= TARGETS["small_ops"])
+                    + " (>= 3,000/s)")
+
+
+def bench_seq3(work: Workdir, size: int, block: int, repeat: int, res: Results) -> None:
+    runs = [three_way(work, "seq", lambda root, remount: seq_pair(work, root / "big", size,
+                                                                  block, remount))
+            for _ in range(repeat)]
+    figures = {t: medians([r[t] for r in runs]) for t in ("plain", "floor", "mount")}
+    res.add("sequential", figures)
+    print_three_way(f"sequential I/O, {size // MiB} MiB file in {block // 1024} KiB blocks, "
+                    f"median of {repeat}, MB/s (write includes fsync+close; caches dropped "
+                    f"before the read)", figures,
+                    [("write_mbs", "seq write MB/s", True), ("read_mbs", "seq read MB/s", True)],
+                    lambda k, f: verdict(f["mount"][k] >= 0.4 * f["plain"][k]
+                                         and f["mount"][k] >= 0.8 * f["floor"][k])
+                    + " (>= 40% plain, 80% floor)")
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -425,7 +620,12 @@ def parse_args(argv=None):
     p.add_argument("--sweep-size", default="256M", help="file size of the sweep (default: 256M)")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs per sequential figure, median (default: 3)")
-    p.add_argument("--only", choices=["seq", "small", "snap", "sweep"], action="append",
+    p.add_argument("--repo-files", type=int, default=6000,
+                   help="files in the synthetic git repository (default: 6000)")
+    p.add_argument("--rand-seconds", type=int, default=15,
+                   help="seconds per fio random I/O run (default: 15)")
+    p.add_argument("--only", choices=["untar", "git", "small", "seq", "rand", "snap", "sweep"],
+                   action="append",
                    help="run only these benchmarks (repeatable)")
     p.add_argument("--workdir", default="/var/tmp",
                    help="where the store, mountpoint and baseline go: the same disk for "
@@ -436,6 +636,7 @@ def parse_args(argv=None):
     if args.quick:
         args.size, args.files, args.snap_sizes, args.creates = "32M", 500, "100,2000", 5
         args.chunk_sizes, args.sweep_size, args.repeat = "64K,1M", "16M", 1
+        args.repo_files, args.rand_seconds = 600, 3
     return args
 
 
@@ -443,15 +644,21 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("bench_io needs root (to drop the page cache)")
-    only = set(args.only or ["seq", "small", "snap", "sweep"])
+    only = set(args.only or ["untar", "git", "small", "seq", "rand", "snap", "sweep"])
     block = parse_size(args.block)
     res = Results("bench_io", vars(args))
     with Workdir(args.workdir, "bench-io") as work:
         print(machine_info(work.path))
-        if "seq" in only:
-            bench_seq(work, parse_size(args.size), block, args.repeat, res)
+        if "untar" in only:
+            bench_untar(work, res)
+        if "git" in only:
+            bench_git(work, args.repo_files, res)
         if "small" in only:
-            bench_small(work, args.files, args.file_size, res)
+            bench_small3(work, args.files, args.file_size, res)
+        if "seq" in only:
+            bench_seq3(work, parse_size(args.size), block, args.repeat, res)
+        if "rand" in only:
+            bench_random(work, parse_size(args.size), args.rand_seconds, res)
         if "snap" in only:
             bench_snapshots(work, [int(s) for s in args.snap_sizes.split(",")], args.creates,
                             res)

@@ -59,6 +59,14 @@ def cli(*args, check=True, input=None, env=None, timeout=120) -> subprocess.Comp
     return res
 
 
+def drop_caches() -> None:
+    """Make the kernel forget every unused dentry and inode (FUSE then gets FORGETs), so a
+    test does not hope the kernel forgot: it makes it."""
+    os.sync()
+    for _ in range(2):      # a second pass frees what the first released
+        Path("/proc/sys/vm/drop_caches").write_text("2\n")
+
+
 def fsck_clean(store: Path) -> None:
     res = cli("mountfs", "fsck", "-q", store, check=False)
     assert res.returncode == 0, f"fsck found problems:\n{res.stdout}{res.stderr}"

@@ -365,3 +365,59 @@ def test_an_open_unlinked_file_is_reclaimed_at_the_next_mount(mounted):
     with raw_store(mounted.store) as (txn, db):
         assert txn.stat(db["orphans"])["entries"] == 0
     fsck_clean(mounted.store)
+
+
+# ---- kill -9 while many operations share one group commit -----------------------------------
+
+METADATA_WORKLOAD = r'''
+"""Small operations as fast as they go (no fsync): creates, a refused mkdir (its failed step
+shares a commit with others' steps), renames, chmod, xattrs. 'done' once each call returned."""
+import json, os, sys
+
+mnt, name, journal = sys.argv[1], sys.argv[2], sys.argv[3]
+out = open(journal, "a")
+os.mkdir(f"{mnt}/{name}")
+for i in range(10**6):
+    path = f"{mnt}/{name}/f{i}"
+    with open(path, "wb") as h:
+        h.write(b"%d" % i * 50)
+    try:
+        os.mkdir(f"{mnt}/{name}")
+    except FileExistsError:
+        pass
+    if i % 3 == 0:
+        os.rename(path, path + "r")
+        path += "r"
+    os.chmod(path, 0o600 + i % 64)
+    os.setxattr(path, "user.i", b"%d" % i)
+    out.write(json.dumps({"path": os.path.relpath(path, mnt), "i": i}) + "\n")
+    out.flush()
+'''
+
+
+def test_kill_9_during_group_commits_loses_no_returned_operation(mounted, tmp_path):
+    """Concurrent writers' steps are committed together; a step that fails (EEXIST) must not
+    take others with it, and nothing whose call returned may be lost to a kill -9."""
+    journals = [tmp_path / f"meta-{n}.jsonl" for n in "abcd"]
+    procs = [subprocess.Popen([sys.executable, "-c", METADATA_WORKLOAD, str(mounted.mnt), n,
+                               str(j)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              cwd="/") for n, j in zip("abcd", journals)]
+    for j in journals:
+        wait_for(j, lambda events: len(events) >= 150)
+    mounted.kill9()
+    for proc in procs:
+        assert proc.wait(timeout=60) != 0
+    fsck_clean(mounted.store)
+    mounted.mount()
+    checked = 0
+    for j in journals:
+        for line in j.read_text().splitlines():
+            e = json.loads(line)
+            p = mounted.mnt / e["path"]
+            assert p.read_bytes() == b"%d" % e["i"] * 50, e
+            assert p.stat().st_mode & 0o777 == 0o600 + e["i"] % 64, e
+            assert os.getxattr(p, "user.i") == b"%d" % e["i"], e
+            checked += 1
+    assert checked >= 600
+    mounted.umount()
+    fsck_clean(mounted.store)

@@ -577,3 +577,38 @@ def test_fsynced_data_survives_a_killed_mount(mounted):
             pass                                         # the mount is gone
     mounted.mount()
     assert (m / "d/f").read_bytes() == data
+
+
+# ---- names longer than NAME_MAX ----------------------------------------------------------
+
+def _too_long_calls(d: Path):
+    """Every name-taking call on a 256-byte name below ``d``, with its arguments."""
+    long = d / ("n" * 256)
+    return [("stat", os.stat, (long,)), ("chmod", os.chmod, (long, 0o644)),
+            ("chown", os.chown, (long, os.getuid(), os.getgid())),
+            ("truncate", os.truncate, (long, 0)), ("unlink", os.unlink, (long,)),
+            ("rmdir", os.rmdir, (long,)), ("rename from", os.rename, (long, d / "x")),
+            ("rename to", os.rename, (d / "x", long)), ("link from", os.link, (long, d / "y")),
+            ("link to", os.link, (d / "x", long)), ("open", os.open, (long, os.O_RDONLY)),
+            ("create", os.open, (long, os.O_CREAT | os.O_WRONLY, 0o644)),
+            ("mkdir", os.mkdir, (long,)), ("symlink", os.symlink, ("x", long)),
+            ("mknod", os.mkfifo, (long,)), ("lstat", os.lstat, (long,))]
+
+
+def test_names_longer_than_255_bytes_are_enametoolong_like_a_local_disk(mounted, tmp_path):
+    local = tmp_path / "local"
+    local.mkdir()
+    for d in (local, mounted.mnt):
+        (d / "x").write_text("x")
+    for (what, fn, args), (_, local_fn, local_args) in zip(_too_long_calls(mounted.mnt),
+                                                           _too_long_calls(local)):
+        with pytest.raises(OSError) as here:
+            fn(*args)
+        with pytest.raises(OSError) as there:
+            local_fn(*local_args)
+        assert there.value.errno == errno.ENAMETOOLONG, what
+        assert (what, here.value.errno) == (what, there.value.errno)
+    assert os.listdir(mounted.mnt) == ["x"]
+    ok = mounted.mnt / ("n" * 255)                         # the limit itself is fine
+    ok.write_text("fits")
+    assert ok.read_text() == "fits"

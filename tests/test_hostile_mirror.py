@@ -1,0 +1,223 @@
+"""`snapctl restore --from` against a hostile mirror: a real HTTP server in this process
+speaks the mirror protocol but answers with crafted listings and chunk data. Whatever it
+sends, nothing is written outside the restore's target (checked by looking outside
+afterwards), wrong data is never written, and special files need --allow-special.
+
+One mount serves every case (each restores into its own directory name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import blake3
+import pytest
+from conftest import Mount, cli, fsck_clean
+
+from replicator.server import compress, compress_json, decompress, pack_frames
+
+pytestmark = pytest.mark.fuse
+
+CHUNK = 1 << 20
+
+
+class HostileMirror(ThreadingHTTPServer):
+    """Answers /v1/info, /v1/export and /v1/read-chunks with whatever ``listing`` and
+    ``blobs`` say (blobs: digest -> the bytes sent for it, true or not)."""
+
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.listing: list = []
+        self.blobs: dict[bytes, bytes] = {}
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, body: bytes, kind="application/octet-stream"):
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._reply(json.dumps({"format": 2, "uuid": "ab" * 16, "mirror_of": None,
+                                "chunk_size": CHUNK, "buckets": 1024, "empty": False,
+                                "snapshots": []}).encode(), "application/json")
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"] or 0))
+        if self.path == "/v1/export":
+            self._reply(compress_json(self.server.listing))
+        elif self.path == "/v1/read-chunks":
+            raw = decompress(body)
+            wanted = [raw[i:i + 32] for i in range(0, len(raw), 32)]
+            self._reply(pack_frames([(d, self.server.blobs.get(d, b"")) for d in wanted]))
+        else:
+            self.send_error(404)
+
+
+@pytest.fixture(scope="module")
+def fs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hostile")
+    cli("mountfs", "mkfs", base / "store")
+    (base / "mnt").mkdir()
+    m = Mount(base / "store", base / "mnt").mount()
+    (base / "token").write_text("t" * 32)
+    os.chmod(base / "token", 0o600)
+    server = HostileMirror()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield m, server, base
+    server.shutdown()
+    m.cleanup()
+    fsck_clean(m.store)
+
+
+@pytest.fixture
+def outside(tmp_path) -> Path:
+    """A directory the mirror would like to write into; it must stay as it is."""
+    d = tmp_path / "outside"
+    d.mkdir()
+    (d / "keep").write_text("mine")
+    return d
+
+
+def tree(p: Path) -> dict:
+    out = {}
+    for root, dirs, files in os.walk(p):
+        for n in dirs + files:
+            q = Path(root) / n
+            st = os.lstat(q)
+            out[str(q.relative_to(p))] = (st.st_mode, q.read_bytes() if stat.S_ISREG(st.st_mode)
+                                          else None)
+    return out
+
+
+def restore(fs, dest: str, *extra) -> "subprocess.CompletedProcess":
+    m, server, base = fs
+    return cli("snapctl", "-m", m.mnt, "restore", "--from", server.url, "--token-file",
+               base / "token", "s", "--to", dest, *extra, check=False)
+
+
+def d(path: str, mode=0o755) -> dict:
+    return {"path": path, "mode": stat.S_IFDIR | mode, "uid": 0, "gid": 0, "atime_ns": 0,
+            "mtime_ns": 0, "size": 0, "rdev": 0, "target": "", "xattrs": {}}
+
+
+def f(path: str, data: bytes = b"", mode=0o644, length=None, sent=None, **kw) -> tuple:
+    """A file entry and the blob the server sends for it (``sent`` instead of the truth)."""
+    digest = blake3.blake3(data).digest()
+    entry = {**d(path), "mode": stat.S_IFREG | mode, "size": len(data),
+             "chunks": [[0, digest.hex(), len(data) if length is None else length]]
+             if data else [], **kw}
+    return entry, {digest: data if sent is None else sent}
+
+
+def link(path: str, target: str) -> dict:
+    return {**d(path), "mode": stat.S_IFLNK | 0o777, "target": target.encode().hex()}
+
+
+def serve(fs, *items) -> None:
+    _, server, _ = fs
+    server.listing, server.blobs = [], {}
+    for item in items:
+        entry, blobs = item if isinstance(item, tuple) else (item, {})
+        server.listing.append(entry)
+        server.blobs.update(blobs)
+
+
+def refused(res, *words) -> None:
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
+    for w in words:
+        assert w in res.stderr, res.stderr
+
+
+def test_a_faithful_listing_is_restored(fs):
+    """The control case: the hostile server can restore, so the refusals below are real."""
+    m = fs[0]
+    serve(fs, d("."), d("./sub", 0o750), f("./sub/a", b"hello" * 1000, mode=0o640),
+          link("./ln", "sub/a"), {"path": "./hard", "link": "./sub/a"})
+    res = restore(fs, "good")
+    assert res.returncode == 0, res.stderr
+    assert (m.mnt / "good/sub/a").read_bytes() == b"hello" * 1000
+    assert os.readlink(m.mnt / "good/ln") == "sub/a"
+    assert os.stat(m.mnt / "good/hard").st_ino == os.stat(m.mnt / "good/sub/a").st_ino
+    assert stat.S_IMODE(os.stat(m.mnt / "good/sub").st_mode) == 0o750
+    assert stat.S_IMODE(os.stat(m.mnt / "good/sub/a").st_mode) == 0o640
+
+
+@pytest.mark.parametrize("case", ["double-slash", "dotdot", "absolute", "symlink-parent",
+                                  "link-outside", "under-a-file", "twice", "top-not-first"])
+def test_escaping_listings_write_nothing_outside(fs, outside, case):
+    m = fs[0]
+    esc = os.path.relpath(outside, m.mnt / case)
+    listings = {
+        "double-slash": [d("."), f("./" + str(outside) + "/x", b"pwn")],
+        "dotdot": [d("."), f("./" + esc + "/x", b"pwn")],
+        "absolute": [d("."), f(str(outside / "x"), b"pwn")],
+        "symlink-parent": [d("."), link("./esc", str(outside)), f("./esc/x", b"pwn")],
+        "link-outside": [d("."), {"path": "./x", "link": "./" + esc + "/keep"}],
+        "under-a-file": [d("."), f("./a", b"1"), f("./a/x", b"pwn")],
+        "twice": [d("."), f("./a", b"1"), f("./a", b"2")],
+        "top-not-first": [f("./x", b"pwn"), d(".")],
+    }
+    before = tree(outside)
+    serve(fs, *listings[case])
+    refused(restore(fs, case), "refused the mirror's listing")
+    assert tree(outside) == before
+    assert not (m.mnt / case).exists()          # checked before anything was written
+
+
+@pytest.mark.parametrize("case", ["wrong-digest", "wrong-length", "short-data"])
+def test_wrong_chunk_data_is_never_written(fs, case):
+    m = fs[0]
+    data = b"true data " * 100
+    items = {"wrong-digest": f("./x", data, sent=b"evil data " * 100),
+             "wrong-length": f("./x", data, length=10),
+             "short-data": f("./x", data, sent=data[:-1])}
+    serve(fs, d("."), items[case])
+    res = restore(fs, case)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    x = m.mnt / case / "x"
+    assert not x.exists() or x.read_bytes() not in (b"evil data " * 100, data[:-1])
+    assert not x.exists() or x.stat().st_size in (0, len(data)) and \
+        x.read_bytes().strip(b"\0") == b""
+
+
+def test_setuid_files_and_devices_need_allow_special(fs):
+    m = fs[0]
+    assert os.geteuid() == 0, "runs as root, as CI does"
+    serve(fs, d("."), f("./suid", b"#!/bin/sh\n", mode=0o4755))
+    refused(restore(fs, "suid"), "set-uid", "--allow-special")
+    assert not (m.mnt / "suid").exists()
+    serve(fs, d("."), {**d("./dev"), "mode": stat.S_IFCHR | 0o666, "rdev": os.makedev(1, 3)})
+    refused(restore(fs, "dev"), "device node", "--allow-special")
+    serve(fs, d("."), f("./cap", b"x", xattrs={b"security.capability".hex(): "01" * 20}))
+    refused(restore(fs, "cap"), "capabilities")
+    serve(fs, d("."), f("./suid", b"#!/bin/sh\n", mode=0o4755),
+          {**d("./dev"), "mode": stat.S_IFCHR | 0o666, "rdev": os.makedev(1, 3)})
+    res = restore(fs, "special", "--allow-special")
+    assert res.returncode == 0, res.stderr
+    assert os.stat(m.mnt / "special/suid").st_mode & stat.S_ISUID
+    assert stat.S_ISCHR(os.lstat(m.mnt / "special/dev").st_mode)
+
+
+@pytest.mark.parametrize("bad", [{"mode": "x"}, {"uid": -1}, {"size": 2**64},
+                                 {"mode": stat.S_IFREG | 0o644, "chunks": [[2**40, "00" * 32, 1]]},
+                                 {"xattrs": {"": "00"}}, {"xattrs": {b"user.a\0b".hex(): ""}},
+                                 {"mode": stat.S_IFLNK | 0o777, "target": ""}])
+def test_out_of_range_values_are_refused_in_one_line(fs, bad):
+    serve(fs, d("."), {**f("./x", b"data")[0], **bad})
+    refused(restore(fs, "range"), "refused the mirror's listing")
+    assert not (fs[0].mnt / "range").exists()
