@@ -31,6 +31,9 @@ class Metrics:
                               registry=r)
         self.stalled = Counter("mountfs_replication_stalled_transfers_total",
                                "Transfers cancelled by the stall watchdog", LABELS, registry=r)
+        self.executor_rate = Gauge("mountfs_replication_executor_bytes_per_second",
+                                   "Chunk bytes per second each Spark executor moved in the "
+                                   "last cycle", (*LABELS, "executor"), registry=r)
         self.cycle_seconds = Histogram("mountfs_replication_cycle_seconds",
                                        "Duration of successful cycles", LABELS, registry=r)
         self.mismatched = Gauge("mountfs_verify_mismatched_buckets",

@@ -140,6 +140,9 @@ class FilesystemLoop:
         if self.metrics:
             self.metrics.bytes_sent.labels(*labels).inc(result.bytes_sent)
             self.metrics.cycle_seconds.labels(*labels).observe(result.seconds)
+            for executor, figures in result.executors.items():
+                self.metrics.executor_rate.labels(*labels, executor).set(
+                    figures["bytes_per_second"])
         log.info("%s -> %s: %s", self.fs.name, mirror.url, result.summary())
 
     def _cycle(self, store: str, mirror: config_mod.MirrorConfig, name: str):

@@ -257,12 +257,16 @@ class TransferStalled(TransferFailed):
     """No batch finished for the stall timeout; the job was cancelled."""
 
 
+START_SECONDS = 120.0               # at least this long for the first task to start
+
+
 def _watch(sc, group, worker, total, stall_seconds, progress, explain=None) -> None:
     """Report finished batches; cancel the job when none finishes for ``stall_seconds``
     while tasks are running (the clock starts with the first running task, so starting
-    executors and Python workers is not a stall). ``explain()`` says, for remote
-    executors, which side they could not reach."""
-    done, last_change = 0, None
+    executors and Python workers is not a stall), or when no task starts at all within
+    ``max(stall_seconds, START_SECONDS)`` (no executor left: a worker died, the cluster is
+    full). ``explain()`` says, for remote executors, which side they could not reach."""
+    done, last_change, submitted = 0, None, time.monotonic()
     tracker = sc.statusTracker()
     while worker.is_alive():
         worker.join(0.2)
@@ -274,15 +278,23 @@ def _watch(sc, group, worker, total, stall_seconds, progress, explain=None) -> N
         elif last_change is None:
             if running:
                 last_change = time.monotonic()
+            elif time.monotonic() - submitted > max(stall_seconds, START_SECONDS):
+                _cancel(sc, group, worker, f"no task of the transfer started in "
+                        f"{max(stall_seconds, START_SECONDS):.0f} s: does the cluster have "
+                        f"executors for it?", explain)
         elif time.monotonic() - last_change > stall_seconds:
-            why = f": {explain()}" if explain else ""
-            sc.cancelJobGroup(group)
-            worker.join()
-            raise TransferStalled(f"no chunk batch finished in {stall_seconds:.0f} s; "
-                                  f"cancelled (what arrived is kept; run again to "
-                                  f"resume){why}")
+            _cancel(sc, group, worker, f"no chunk batch finished in {stall_seconds:.0f} s",
+                    explain)
     if progress:
         progress(total)
+
+
+def _cancel(sc, group, worker, what: str, explain) -> None:
+    why = f": {explain()}" if explain else ""
+    sc.cancelJobGroup(group)
+    worker.join()
+    raise TransferStalled(f"{what}; cancelled (what arrived is kept; run again to "
+                          f"resume){why}")
 
 
 def _task_counts(tracker, group) -> tuple[int, int]:

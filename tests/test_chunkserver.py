@@ -81,3 +81,18 @@ def test_over_tls_with_the_jobs_certificate(source, tmp_path):
         untrusting = ChunkClient(server.url, server.credential)      # system CAs only
         with pytest.raises(ChunkEndpointError, match="CERTIFICATE_VERIFY_FAILED"):
             untrusting.fetch([digest], timeout=10)
+
+
+def test_batches_balance_bytes_and_count():
+    """Many tiny chunks weigh as much as a few big ones: no batch gets all the tiny ones,
+    and none holds more than about MAX_CHUNKS chunks."""
+    from replicator import transfer
+    big = [(os.urandom(32), 1 << 20) for _ in range(8)]
+    tiny = [(os.urandom(32), 100) for _ in range(3 * transfer.MAX_CHUNKS - 8)]
+    bins = transfer.batches(big + tiny, batch_bytes=8 << 20)
+    assert len(bins) == 3                                   # by count, not by bytes (2)
+    assert sorted(h for b in bins for h, _ in b) == sorted(d.hex() for d, _ in big + tiny)
+    counts = [len(b) for b in bins]
+    assert max(counts) <= transfer.MAX_CHUNKS + 64 and min(counts) >= transfer.MAX_CHUNKS // 2
+    loads = [sum(n for _, n in b) + len(b) * transfer.CHUNK_COST for b in bins]
+    assert max(loads) - min(loads) <= (1 << 20) + transfer.CHUNK_COST
