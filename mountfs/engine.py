@@ -204,6 +204,7 @@ class Engine:
 
     def _create_snapshot(self, txn, name: str) -> S.Snapshot:
         """A step of a group commit: steps after it in the batch write the new live epoch."""
+        gc.settle_purges(txn, self.db, self.chunk_size)
         snap = snapshots.create(txn, self.db, name)
         self.live = snap.epoch + 1
         return snap

@@ -126,6 +126,15 @@ def purge_batch(txn, dbs, chunk_size: int, max_chunks: int = BATCH_KEYS) -> bool
     return txn.stat(dbs["purge"])["entries"] == 0
 
 
+def settle_purges(txn, dbs, chunk_size: int) -> None:
+    """Finish purging deleted files' chunk maps, in the transaction that takes a snapshot.
+    A purge left pending across a snapshot would write its tombstones in the next epoch,
+    so the snapshot would still see (and keep) the chunk data of a file it does not hold,
+    until that snapshot itself is deleted."""
+    while not purge_batch(txn, dbs, chunk_size):
+        pass
+
+
 def pending(txn, dbs) -> bool:
     return txn.get(b"gc_pending", db=dbs["meta"]) is not None or \
         txn.stat(dbs["purge"])["entries"] > 0

@@ -127,8 +127,10 @@ def create_snapshot(target: Target, name: str) -> dict:
         syncfs(target.mountpoint)
 
     def offline(store):
+        from . import gc
         from . import snapshots as snaps
         with store.write() as txn:
+            gc.settle_purges(txn, store.db, store.chunk_size)
             return {"snapshot": control.snapshot_json(snaps.create(txn, store.db, name))}
     return run(target, {"op": "create", "name": name}, offline)["snapshot"]
 

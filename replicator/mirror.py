@@ -116,6 +116,7 @@ def commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
     live = Live(txn, dbs, live_epoch, chunk_size)
     apply(live, cs)
     txn.put(b"mirror_of", source_uuid, db=dbs["meta"])
+    gc.settle_purges(txn, dbs, chunk_size)
     snap = snaps.create(txn, dbs, snapshot.name, snap_uuid=bytes.fromhex(snapshot.uuid),
                         created_ns=snapshot.created_ns)
     _drop_staged(txn, dbs)
