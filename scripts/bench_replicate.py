@@ -432,8 +432,6 @@ def run_all(work: Workdir, args, results: Results) -> None:
     finally:
         relay.close()
         receiver.stop()
-        if cluster:
-            cluster.stop()
     results.add("first", first)
     results.add("second", second)
     results.add("rsync_first", {"seconds": r1[0], "bytes_sent": r1[1]})
@@ -444,7 +442,11 @@ def run_all(work: Workdir, args, results: Results) -> None:
     results.add("rename_only", rename)
     umount(work, mnt)
 
-    ver = bench_verify(work, token, args.verify_chunks)
+    try:
+        ver = bench_verify(work, token, args.verify_chunks)
+    finally:
+        if cluster:
+            cluster.stop()
     results.add("verify", ver)
     report(args, total, big, first, second, r1, r2, f1, f2, changed, expected, rename, ver)
 
