@@ -149,13 +149,28 @@ class Engine:
         return step.result
 
     def _commit_batch(self, batch: list["_Step"]) -> None:
-        """One write transaction for every step of ``batch`` (each in a nested one), then
-        a synced commit; a durable step also syncs the meta page."""
+        """Synced commits for every step of ``batch``, in order: consecutive ``mutate``
+        steps share one write transaction (each in a nested one); a ``mutate_in_thread``
+        step (GC batches, snapshots, rollback: cursors walking tables they change) gets a
+        transaction of its own. A durable step also syncs the meta page."""
         try:
-            with self.store.write() as txn:
-                for step in batch:
-                    if step.fn is not None:
-                        self._run_step(txn, step)
+            group: list[_Step] = []
+            for step in batch:
+                if step.fn is None:
+                    continue
+                if step.live:
+                    group.append(step)
+                    continue
+                self._commit_group(group)
+                group = []
+                try:
+                    with self.store.write() as txn:
+                        step.result = step.fn(txn, *step.args)
+                except StoreFull as e:
+                    step.error = FsError(errno.ENOSPC, str(e))
+                except Exception as e:
+                    step.error = e
+            self._commit_group(group)
             if any(step.durable for step in batch):
                 self.store.sync()
             self._unsynced = not any(step.durable for step in batch)
@@ -168,14 +183,17 @@ class Engine:
         for step in batch:
             step.done = True
 
+    def _commit_group(self, group: list["_Step"]) -> None:
+        if group:
+            with self.store.write() as txn:
+                for step in group:
+                    self._run_step(txn, step)
+
     def _run_step(self, txn, step: "_Step") -> None:
         try:
             with self.store.env.begin(write=True, parent=txn, buffers=True) as child:
-                if step.live:
-                    step.result = step.fn(Live(child, self.db, self.live, self.chunk_size),
-                                          *step.args)
-                else:
-                    step.result = step.fn(child, *step.args)
+                step.result = step.fn(Live(child, self.db, self.live, self.chunk_size),
+                                      *step.args)
         except lmdb.MapFullError as e:
             step.error = FsError(errno.ENOSPC, f"store map is full: {e}")
         except Exception as e:
