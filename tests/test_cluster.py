@@ -389,7 +389,10 @@ def test_a_link_cut_mid_transfer_stalls_names_the_mirror_and_resumes(cluster, so
     assert again.returncode == 0, again.stderr
     summary = json.loads(again.stdout)
     total = summary["bytes_sent"] + summary["bytes_skipped"]
-    assert summary["bytes_sent"] == total - arrived        # nothing that arrived went twice
+    # Nothing that arrived went twice. Not '==': a request stuck in TCP retransmission while
+    # the link was down may still complete once it is up, after 'arrived' was read, and what
+    # it staged is not sent again either (seen: exactly one 1 MiB batch less).
+    assert total - arrived - (4 << 20) <= summary["bytes_sent"] <= total - arrived
 
 
 def test_a_link_left_down_is_one_line_and_leaves_the_mirror_untouched(cluster, source,
