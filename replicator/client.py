@@ -1,8 +1,10 @@
-"""The client side of an ``http(s)://`` mirror (see replicator.server for the API)."""
+"""The client side of an ``http(s)://`` mirror (see replicator.server for the API).
+
+The mirror is not trusted either: every response is read with a hard cap on its size (raw
+and decompressed), and a body that is not what the call expects is a one-line error."""
 
 from __future__ import annotations
 
-import json
 import ssl
 
 import httpx
@@ -11,7 +13,8 @@ from mountfs.store import StoreError
 
 from .changeset import Changeset
 from .mirror import MirrorError, SnapshotRef
-from .server import compress, compress_json, decompress, pack_frames, unpack_frames
+from .server import (MAX_BODY, compress, compress_json, decompress, loads, pack_frames,
+                     unpack_frames)
 
 TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=10.0)
 
@@ -20,7 +23,8 @@ def _client(url: str, token: str | None, ca_file: str | None) -> httpx.Client:
     if not token:
         raise StoreError("no token for the mirror: pass --token-file FILE or set "
                          "MOUNTFS_TOKEN")
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}",
+                                               "Accept-Encoding": "identity"},
                         timeout=TIMEOUT, verify=_tls_context(ca_file))
 
 
@@ -35,19 +39,35 @@ def _tls_context(ca_file: str | None) -> ssl.SSLContext | bool:
 
 
 def _call(client: httpx.Client, method: str, path: str, body: bytes | None = None):
+    """One request; the response is held only up to MAX_BODY bytes."""
     try:
-        res = client.request(method, path, content=body)
+        with client.stream(method, path, content=body) as streamed:
+            data = bytearray()
+            for piece in streamed.iter_raw():
+                data += piece
+                if len(data) > MAX_BODY:
+                    raise MirrorError(f"the mirror at {client.base_url} sent a response over "
+                                      f"{MAX_BODY} bytes; refused")
+            res = httpx.Response(streamed.status_code, content=bytes(data))
     except httpx.HTTPError as e:
         raise MirrorError(f"cannot reach the mirror at {client.base_url}: {e}") from None
     if res.status_code == 401:
         raise MirrorError(f"the mirror at {client.base_url} refused the token (401)")
     if res.status_code >= 400:
         try:
-            msg = res.json()["error"]
-        except (ValueError, KeyError):
-            msg = res.text[:200]
-        raise MirrorError(f"mirror: {msg}")
+            msg = str(res.json()["error"])
+        except (ValueError, KeyError, TypeError, RecursionError):
+            msg = res.text
+        raise MirrorError(f"mirror: {' '.join(msg.split())[:300]}")
     return res
+
+
+def _json(raw: bytes):
+    """A JSON response from the mirror; anything else is the mirror's fault, said once."""
+    try:
+        return loads(raw)
+    except (ValueError, UnicodeError):
+        raise MirrorError("the mirror sent a malformed response (not JSON)") from None
 
 
 class HttpSink:
@@ -70,7 +90,7 @@ class HttpSink:
 
     def put(self, chunks) -> tuple[int, int]:
         with self._client() as client:
-            reply = _call(client, "POST", "/v1/chunks", pack_frames(chunks)).json()
+            reply = _json(_call(client, "POST", "/v1/chunks", pack_frames(chunks)).content)
         return reply["stored"], reply["bytes"]
 
     def missing(self, digests: list[bytes]) -> list[bytes]:
@@ -89,7 +109,7 @@ class HttpMirror:
         self.sink = HttpSink(self.url, token, ca_file)
 
     def info(self) -> dict:
-        return _call(self.client, "GET", "/v1/info").json()
+        return _json(_call(self.client, "GET", "/v1/info").content)
 
     def missing(self, digests: list[bytes]) -> list[bytes]:
         return self.sink.missing(digests)
@@ -113,7 +133,7 @@ class HttpMirror:
     def export(self, snapshot: str, path: str) -> list[dict]:
         res = _call(self.client, "POST", "/v1/export",
                     compress_json({"snapshot": snapshot, "path": path}))
-        return json.loads(decompress(res.content))
+        return _json(decompress(res.content))
 
     def read_chunks(self, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
         res = _call(self.client, "POST", "/v1/read-chunks", compress(b"".join(digests)))
@@ -127,12 +147,12 @@ class HttpMirror:
     def bucket_items(self, snap_uuid: str | None, wanted: list[int]) -> dict:
         res = _call(self.client, "POST", "/v1/bucket-items",
                     compress_json({"snapshot": snap_uuid, "buckets": wanted}))
-        body = json.loads(decompress(res.content))
+        body = _json(decompress(res.content))
         return {int(b): {bytes.fromhex(i): bytes.fromhex(h) for i, h in its.items()}
                 for b, its in body.items()}
 
     def scrub(self) -> dict[str, list[bytes]]:
-        found = _call(self.client, "POST", "/v1/scrub").json()
+        found = _json(_call(self.client, "POST", "/v1/scrub").content)
         return {k: [bytes.fromhex(d) for d in v] for k, v in found.items()}
 
     def replace_chunks(self, chunks) -> None:

@@ -14,20 +14,18 @@ directory cycles, and a mirror that changed since its base.
 from __future__ import annotations
 
 import stat
+import time
 from dataclasses import dataclass
 
 import blake3
 
-from mountfs import buckets, gc
+from mountfs import buckets, gc, invariants
 from mountfs import schema as S
 from mountfs import snapshots as snaps
 from mountfs.namespace import FsError, Live, View, add_written, check_name
 from mountfs.store import Store, StoreError, delete_live, put_live
 
 from .changeset import Changeset
-
-MAX_INO = 1 << 62          # inode numbers at and above this are the mount's virtual ones
-
 
 class MirrorError(StoreError):
     """A replication request the mirror refuses (one clear line for the user)."""
@@ -42,16 +40,28 @@ class SnapshotRef:
 
 # ---- staging chunks -----------------------------------------------------------------------
 
-def stage(txn, dbs, chunks) -> tuple[int, int]:
+def stage(txn, dbs, chunks, max_staged: int | None = None,
+          max_age: float | None = None) -> tuple[int, int]:
     """Store chunks received for a cycle: ``chunks`` is [(digest, data)]. Each digest is
     checked before anything is written. Returns (chunks stored, bytes stored); chunks the
-    mirror already has are skipped."""
+    mirror already has are skipped. Staging is bounded: chunks staged longer ago than
+    ``max_age`` seconds are dropped first (an abandoned cycle), and a batch that would take
+    the staged bytes over ``max_staged`` is refused."""
     stored = nbytes = 0
     for digest, data in chunks:
         digest = bytes(digest)
-        if blake3.blake3(data).digest() != digest:
+        if len(digest) != S.DIGEST_SIZE or blake3.blake3(data).digest() != digest:
             raise MirrorError(f"chunk {digest.hex()[:16]} does not match its digest "
                               f"(corrupted in transit?); nothing of this batch was stored")
+    held, since = _staged_account(txn, dbs)
+    if max_age is not None and held and time.time() - since > max_age:
+        _drop_staged(txn, dbs)
+        held = 0
+    since = since if held else time.time()
+    if max_staged is not None and held + sum(len(d) for _, d in chunks) > max_staged:
+        raise MirrorError(f"the mirror holds {held} bytes staged but not committed, its "
+                          f"limit is {max_staged}; commit (or wait for old staging to "
+                          f"expire) before sending more")
     for digest, data in chunks:
         digest = bytes(digest)
         if _present(txn, dbs, digest):
@@ -60,7 +70,19 @@ def stage(txn, dbs, chunks) -> tuple[int, int]:
         txn.put(digest, b"", db=dbs["staged"])
         stored += 1
         nbytes += len(data)
+    if stored:
+        txn.put(b"staged_bytes", S.u64(held + nbytes) + S.u64(int(since)),
+                db=dbs["meta"])
     return stored, nbytes
+
+
+def _staged_account(txn, dbs) -> tuple[int, float]:
+    """(bytes staged and not committed, when staging began) from the meta record."""
+    raw = txn.get(b"staged_bytes", db=dbs["meta"])
+    if raw is None:
+        return 0, 0.0
+    raw = bytes(raw)
+    return S.from_u64(raw[:8]), float(S.from_u64(raw[8:]))
 
 
 def _present(txn, dbs, digest: bytes) -> bool:
@@ -180,6 +202,7 @@ def _drop_staged(txn, dbs) -> None:
         if txn.get(digest, db=dbs["refs"]) is None:
             txn.delete(digest, db=dbs["blobs"])
         txn.delete(digest, db=dbs["staged"])
+    txn.delete(b"staged_bytes", db=dbs["meta"])
 
 
 def purge_deleted(store: Store) -> None:
@@ -197,13 +220,14 @@ def apply(live: Live, cs: Changeset) -> None:
     """Make the live tree hold every TO value of ``cs``. In DistCp's order: entries that go
     away or change first (deletes and rename sources), then inodes that are gone, then new
     entries (creates and rename targets), then records, xattrs and chunks."""
-    _validate(cs)
-    parents = set()
+    _validate(cs, live.chunk_size)
+    parents, detached = set(), set()
     for (d, name), child in cs.entries.items():
         now = live.lookup(d, name)
         if now is not None and now != child:
             live.delete_dirent(d, name)
             parents.add(d)
+            detached.add(now)
     for x, rec in cs.inodes.items():
         if rec is None and live.inode(x) is not None:
             _drop(live, x, cs)
@@ -226,6 +250,10 @@ def apply(live: Live, cs: Changeset) -> None:
     _raise_next_ino(live, cs)
     for x in sorted(parents | {x for x, r in cs.inodes.items() if r is not None}):
         live.propagate(x)
+    for x in sorted(parents | ((cs.xattrs.keys() | cs.chunks.keys()) - cs.inodes.keys())):
+        if live.inode(x) is not None:
+            live.touch(x)         # entry- or content-only changes raise the epochs too
+    _check_invariants(live, cs, parents | detached)
 
 
 def _raise_next_ino(live: Live, cs: Changeset) -> None:
@@ -236,7 +264,9 @@ def _raise_next_ino(live: Live, cs: Changeset) -> None:
         live.txn.put(b"next_ino", S.u64(top), db=meta)
 
 
-def _validate(cs: Changeset) -> None:
+def _validate(cs: Changeset, chunk_size: int) -> None:
+    """What can be refused before anything is written: numbers out of range, bad names,
+    over-long chunks, content for inodes that do not exist."""
     for (d, name), child in cs.entries.items():
         _check_ino(d)
         if child is not None:
@@ -250,11 +280,47 @@ def _validate(cs: Changeset) -> None:
         _check_ino(x)
     if cs.inodes.get(S.ROOT_INO, 0) is None:
         raise MirrorError("commit would delete the root directory")
+    for x, xattrs in cs.xattrs.items():
+        _check_ino(x)
+        for name in xattrs:
+            if not invariants.xattr_name_ok(name):
+                raise MirrorError(f"commit sets an xattr with an invalid name {name!r} on "
+                                  f"inode {x}")
+    for x, leaves in cs.chunks.items():
+        _check_ino(x)
+        for index, value in leaves.items():
+            if not 0 <= index <= invariants.MAX_CHUNK_INDEX:
+                raise MirrorError(f"commit names chunk {index} of inode {x}, outside the "
+                                  f"valid range")
+            if value is not None and not 0 < value[1] <= chunk_size:
+                raise MirrorError(f"commit names a chunk of {value[1]} bytes; this mirror's "
+                                  f"chunks hold {chunk_size} at most")
 
 
 def _check_ino(x: int) -> None:
-    if not 1 <= x < MAX_INO:
-        raise MirrorError(f"commit names inode {x}, outside the valid range")
+    if not invariants.ino_in_range(x):
+        raise MirrorError(f"commit names inode {x}, outside the valid range "
+                          f"1..{S.MAX_INO}")
+
+
+def _check_invariants(live: Live, cs: Changeset, around: set[int]) -> None:
+    """After the changes: every inode the commit touched, and every directory whose entries
+    changed, obeys the tree rules fsck checks (mountfs.invariants); content for an inode
+    that does not exist, or a name left pointing nowhere, is refused."""
+    touched = set(cs.inodes) | set(cs.xattrs) | set(cs.chunks) | around | \
+        {c for c in cs.entries.values() if c is not None}
+    for x in sorted(touched):
+        rec = live.inode(x)
+        if rec is None:
+            if cs.xattrs.get(x) or any(v is not None for v in cs.chunks.get(x, {}).values()):
+                raise MirrorError(f"commit sets content of inode {x}, which does not exist")
+            continue
+        names = len(live.links(x))
+        if x != S.ROOT_INO and not names:
+            raise MirrorError(f"commit leaves inode {x} without a name")
+        problems = invariants.inode_problems(live, x, rec, names)
+        if problems:
+            raise MirrorError(f"commit refused: {problems[0]}")
 
 
 def _drop(live: Live, x: int, cs: Changeset) -> None:
@@ -316,13 +382,14 @@ def _adopt(live: Live, digest: bytes, length: int) -> None:
 def _check_tree(live: Live, cs: Changeset, arrived_dirs: list[int]) -> None:
     """After the changes: every new entry names an inode that exists, and every directory
     that arrived somewhere still hangs from the root (no cycle, nothing detached)."""
-    for (_, name), child in cs.entries.items():
+    for (d, name), child in cs.entries.items():
         if child is not None and live.inode(child) is None:
             raise MirrorError(f"commit links {name!r} to inode {child}, which it does not "
                               f"carry")
-    for x, rec in cs.inodes.items():
-        if rec is not None and x != S.ROOT_INO and not live.links(x):
-            raise MirrorError(f"commit leaves inode {x} without a name")
+        parent = live.inode(d)
+        if child is not None and (parent is None or not stat.S_ISDIR(parent.mode)):
+            raise MirrorError(f"commit puts {name!r} under inode {d}, which is not a "
+                              f"directory")
     for ino in arrived_dirs:
         if not stat.S_ISDIR(live.get(ino).mode):
             continue

@@ -89,6 +89,7 @@ retention = {{ keep_last = 3 }}
 [[filesystem.mirror]]
 url = "{mirror_url}"
 token_file = "{token_file}"
+admin_token_file = "{token_file.with_name('admin-token')}"
 retention = {{ keep_last = 2 }}
 """)
     return path
