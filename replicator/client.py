@@ -121,6 +121,16 @@ class HttpMirror:
             "snapshot": {"name": snap.name, "uuid": snap.uuid, "created_ns": snap.created_ns},
             "changeset": cs.to_json()}))
 
+    def stage_part(self, transfer: bytes, index: int, raw: bytes) -> None:
+        _call(self.client, "POST", f"/v1/parts/{transfer.hex()}/{index}", compress(raw))
+
+    def commit_parts(self, source_uuid: bytes, base_uuid: str | None, snap: SnapshotRef,
+                     transfer: bytes, digests: list[bytes], reconcile: bool = False) -> None:
+        _call(self.client, "POST", "/v1/commit-parts", compress_json({
+            "source_uuid": source_uuid.hex(), "base_uuid": base_uuid, "reconcile": reconcile,
+            "snapshot": {"name": snap.name, "uuid": snap.uuid, "created_ns": snap.created_ns},
+            "transfer": transfer.hex(), "parts": [d.hex() for d in digests]}))
+
     def rollback_to(self, base_uuid: str) -> None:
         _call(self.client, "POST", "/v1/rollback", compress_json({"base_uuid": base_uuid}))
 

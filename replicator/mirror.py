@@ -13,8 +13,10 @@ directory cycles, and a mirror that changed since its base.
 
 from __future__ import annotations
 
+import json
 import stat
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import blake3
@@ -26,6 +28,8 @@ from mountfs.namespace import FsError, Live, View, add_written, check_name
 from mountfs.store import Store, StoreError, delete_live, put_live
 
 from .changeset import Changeset
+
+Parts = Callable[[], Iterator[Changeset]]     # a fresh iterator over a changeset's parts
 
 class MirrorError(StoreError):
     """A replication request the mirror refuses (one clear line for the user)."""
@@ -53,15 +57,7 @@ def stage(txn, dbs, chunks, max_staged: int | None = None,
         if len(digest) != S.DIGEST_SIZE or blake3.blake3(data).digest() != digest:
             raise MirrorError(f"chunk {digest.hex()[:16]} does not match its digest "
                               f"(corrupted in transit?); nothing of this batch was stored")
-    held, since = _staged_account(txn, dbs)
-    if max_age is not None and held and time.time() - since > max_age:
-        _drop_staged(txn, dbs)
-        held = 0
-    since = since if held else time.time()
-    if max_staged is not None and held + sum(len(d) for _, d in chunks) > max_staged:
-        raise MirrorError(f"the mirror holds {held} bytes staged but not committed, its "
-                          f"limit is {max_staged}; commit (or wait for old staging to "
-                          f"expire) before sending more")
+    held, since = _reserve(txn, dbs, sum(len(d) for _, d in chunks), max_staged, max_age)
     for digest, data in chunks:
         digest = bytes(digest)
         if _present(txn, dbs, digest):
@@ -74,6 +70,22 @@ def stage(txn, dbs, chunks, max_staged: int | None = None,
         txn.put(b"staged_bytes", S.u64(held + nbytes) + S.u64(int(since)),
                 db=dbs["meta"])
     return stored, nbytes
+
+
+def _reserve(txn, dbs, nbytes: int, max_staged: int | None,
+             max_age: float | None) -> tuple[int, float]:
+    """Make room for ``nbytes`` more staged bytes: staging older than ``max_age`` is dropped
+    first, more than ``max_staged`` in all is refused. Returns (bytes held, since when)."""
+    held, since = _staged_account(txn, dbs)
+    if max_age is not None and held and time.time() - since > max_age:
+        _drop_staged(txn, dbs)
+        held = 0
+    since = since if held else time.time()
+    if max_staged is not None and held + nbytes > max_staged:
+        raise MirrorError(f"the mirror holds {held} bytes staged but not committed, its "
+                          f"limit is {max_staged}; commit (or wait for old staging to "
+                          f"expire) before sending more")
+    return held, since
 
 
 def _staged_account(txn, dbs) -> tuple[int, float]:
@@ -93,6 +105,78 @@ def _present(txn, dbs, digest: bytes) -> bool:
 def missing(txn, dbs, digests) -> list[bytes]:
     """The digests the mirror has neither committed nor staged."""
     return [bytes(d) for d in digests if not _present(txn, dbs, bytes(d))]
+
+
+# ---- staging changeset parts ---------------------------------------------------------------
+
+MAX_PART_BYTES = 16 << 20     # one part's JSON, decompressed (the source cuts at ~4 MiB)
+MAX_PARTS = 1 << 16           # parts one commit may name
+PART_PREFIX = b"part"         # blobs key: prefix + transfer id (16) + index (u32): 24 bytes,
+                              # never a chunk digest (32)
+
+
+def part_key(transfer: bytes, index: int) -> bytes:
+    if len(transfer) != 16 or not 0 <= index < MAX_PARTS:
+        raise MirrorError(f"a changeset part needs a transfer id of 16 bytes and an index "
+                          f"0..{MAX_PARTS - 1}")
+    return PART_PREFIX + transfer + index.to_bytes(4, "big")
+
+
+def parse_part(raw: bytes, chunk_size: int) -> Changeset:
+    """A part as received: bounded, JSON, a well-formed changeset, every record in range
+    (refused here, before it is staged, as a chunk that does not match its digest is)."""
+    if len(raw) > MAX_PART_BYTES:
+        raise MirrorError(f"a changeset part of {len(raw)} bytes is over the limit of "
+                          f"{MAX_PART_BYTES}")
+    cs = _decode_part(raw)
+    _validate(cs, chunk_size)
+    return cs
+
+
+def _decode_part(raw: bytes) -> Changeset:
+    try:
+        return Changeset.from_json(json.loads(raw))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError,
+            UnicodeError) as e:
+        raise MirrorError(f"malformed changeset part: {type(e).__name__}: {e}") from None
+
+
+def stage_part(txn, dbs, chunk_size: int, transfer: bytes, index: int, raw: bytes,
+               max_staged: int | None = None, max_age: float | None = None) -> bytes:
+    """Stage part ``index`` of transfer ``transfer`` (validated first); it counts against
+    the same staging bounds as chunks and is dropped with them. Returns its digest, which
+    the commit names."""
+    key = part_key(transfer, index)
+    parse_part(raw, chunk_size)
+    old = txn.get(key, db=dbs["blobs"])
+    held, since = _reserve(txn, dbs, len(raw), max_staged, max_age)
+    txn.put(key, raw, db=dbs["blobs"])
+    txn.put(key, b"", db=dbs["staged"])
+    held = held + len(raw) - (len(old) if old is not None else 0)
+    txn.put(b"staged_bytes", S.u64(max(held, 0)) + S.u64(int(since)), db=dbs["meta"])
+    return blake3.blake3(raw).digest()
+
+
+def staged_parts(txn, dbs, transfer: bytes, digests: list[bytes]) -> Parts:
+    """The parts a commit names, as a re-iterable stream read from staging: all of them
+    present and matching their digests, checked before anything is applied (each part was
+    validated when staged, and apply_parts validates every part again first)."""
+    if not 0 < len(digests) <= MAX_PARTS:
+        raise MirrorError(f"a commit names 1..{MAX_PARTS} changeset parts, not "
+                          f"{len(digests)}")
+    for index, digest in enumerate(digests):
+        raw = txn.get(part_key(transfer, index), db=dbs["blobs"])
+        if raw is None:
+            raise MirrorError(f"changeset part {index} of transfer {transfer.hex()} is not "
+                              f"staged on the mirror (expired or never sent); re-run")
+        if blake3.blake3(raw).digest() != bytes(digest):
+            raise MirrorError(f"changeset part {index} of transfer {transfer.hex()} does not "
+                              f"match the digest the commit names")
+
+    def load():
+        for index in range(len(digests)):
+            yield _decode_part(bytes(txn.get(part_key(transfer, index), db=dbs["blobs"])))
+    return load
 
 
 # ---- what the mirror holds ----------------------------------------------------------------
@@ -126,17 +210,19 @@ def _is_empty(txn, dbs, live: int, chunk_size: int) -> bool:
 # ---- committing a cycle -------------------------------------------------------------------
 
 def commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
-           snapshot: SnapshotRef, cs: Changeset, reconcile: bool = False) -> S.Snapshot:
-    """Check the preconditions, apply ``cs`` and take ``snapshot``, in the caller's one
-    write transaction (an exception aborts all of it). ``reconcile``: there is no base and
-    ``cs`` was computed against the mirror's live tree by bucket comparison."""
+           snapshot: SnapshotRef, cs: Changeset | Parts,
+           reconcile: bool = False) -> S.Snapshot:
+    """Check the preconditions, apply ``cs`` (a changeset, or its staged parts: see
+    staged_parts) and take ``snapshot``, in the caller's one write transaction (an
+    exception aborts all of it). ``reconcile``: there is no base and ``cs`` was computed
+    against the mirror's live tree by bucket comparison."""
     live_epoch = snaps.live_epoch(txn, dbs)
     _check_base(txn, dbs, chunk_size, live_epoch, source_uuid, base_uuid, reconcile)
     for s in snaps.list_all(txn, dbs):
         if s.name == snapshot.name or s.uuid.hex() == snapshot.uuid:
             raise MirrorError(f"the mirror already has snapshot {s.name!r}")
     live = Live(txn, dbs, live_epoch, chunk_size)
-    apply(live, cs)
+    apply_parts(live, cs if callable(cs) else (lambda: iter([cs])))
     txn.put(b"mirror_of", source_uuid, db=dbs["meta"])
     gc.settle_purges(txn, dbs, chunk_size)
     snap = snaps.create(txn, dbs, snapshot.name, snap_uuid=bytes.fromhex(snapshot.uuid),
@@ -217,43 +303,69 @@ def purge_deleted(store: Store) -> None:
 # ---- applying a changeset -----------------------------------------------------------------
 
 def apply(live: Live, cs: Changeset) -> None:
-    """Make the live tree hold every TO value of ``cs``. In DistCp's order: entries that go
-    away or change first (deletes and rename sources), then inodes that are gone, then new
-    entries (creates and rename targets), then records, xattrs and chunks."""
-    _validate(cs, live.chunk_size)
-    parents, detached = set(), set()
-    for (d, name), child in cs.entries.items():
-        now = live.lookup(d, name)
-        if now is not None and now != child:
-            live.delete_dirent(d, name)
-            parents.add(d)
-            detached.add(now)
-    for x, rec in cs.inodes.items():
-        if rec is None and live.inode(x) is not None:
-            _drop(live, x, cs)
-    arrived_dirs = []
-    for (d, name), child in cs.entries.items():
-        if child is not None and live.lookup(d, name) != child:
-            live.put_dirent(d, name, child)
-            parents.add(d)
-            arrived_dirs.append(child)
-    for x, rec in cs.inodes.items():
-        if rec is not None:
-            put_live(live.txn, live.db["inodes"], S.inode_key(x),
-                     rec.evolve(mepoch=live.live).pack(), live.live)
-    for x, xattrs in cs.xattrs.items():
-        _set_xattrs(live, x, xattrs)
-    for x, leaves in cs.chunks.items():
-        for index, value in leaves.items():
-            _set_chunk(live, x, index, value)
-    _check_tree(live, cs, arrived_dirs)
-    _raise_next_ino(live, cs)
-    for x in sorted(parents | {x for x, r in cs.inodes.items() if r is not None}):
+    """Make the live tree hold every TO value of ``cs`` (see apply_parts)."""
+    apply_parts(live, lambda: iter([cs]))
+
+
+def apply_parts(live: Live, parts: Parts) -> None:
+    """Make the live tree hold every TO value of the changeset whose parts ``parts()``
+    yields (a fresh iterator each call: a part is read again for each step rather than all
+    of them held). In DistCp's order across all parts: entries that go away or change first
+    (deletes and rename sources), then inodes that are gone, then new entries (creates and
+    rename targets), then records, then xattrs and chunks; then the checks against the
+    store's state. What is held across parts is inode numbers only (directories whose
+    entries changed, displaced inodes, and, when something is dropped, the inodes named)."""
+    for cs in parts():
+        _validate(cs, live.chunk_size)
+    parents, detached, dropping = set(), set(), False
+    for cs in parts():
+        for (d, name), child in cs.entries.items():
+            now = live.lookup(d, name)
+            if now is not None and now != child:
+                live.delete_dirent(d, name)
+                parents.add(d)
+                detached.add(now)
+        dropping = dropping or any(rec is None for rec in cs.inodes.values())
+    if dropping:
+        named = {x for cs in parts() for x in cs.inodes}
+        for cs in parts():
+            for x, rec in cs.inodes.items():
+                if rec is None and live.inode(x) is not None:
+                    _drop(live, x, named)
+    for cs in parts():
+        for (d, name), child in cs.entries.items():
+            if child is not None and live.lookup(d, name) != child:
+                live.put_dirent(d, name, child)
+                parents.add(d)
+    for cs in parts():
+        for x, rec in cs.inodes.items():
+            if rec is not None:
+                put_live(live.txn, live.db["inodes"], S.inode_key(x),
+                         rec.evolve(mepoch=live.live).pack(), live.live)
+        _raise_next_ino(live, cs)
+    for cs in parts():
+        for x, xattrs in cs.xattrs.items():
+            _set_xattrs(live, x, xattrs)
+        for x, leaves in cs.chunks.items():
+            for index, value in leaves.items():
+                _set_chunk(live, x, index, value)
+    for cs in parts():
+        _check_tree(live, cs, [c for c in cs.entries.values() if c is not None])
+    for cs in parts():
+        for x in sorted(x for x, r in cs.inodes.items() if r is not None):
+            live.propagate(x)
+    for x in sorted(parents):
         live.propagate(x)
-    for x in sorted(parents | ((cs.xattrs.keys() | cs.chunks.keys()) - cs.inodes.keys())):
+    for cs in parts():
+        for x in sorted((cs.xattrs.keys() | cs.chunks.keys()) - cs.inodes.keys()):
+            if live.inode(x) is not None:
+                live.touch(x)     # content-only changes raise the epochs too
+    for x in sorted(parents):
         if live.inode(x) is not None:
-            live.touch(x)         # entry- or content-only changes raise the epochs too
-    _check_invariants(live, cs, parents | detached)
+            live.touch(x)         # as do entry-only ones
+    for cs in parts():
+        _check_invariants(live, cs, set())
+    _check_invariants(live, Changeset(), parents | detached)
 
 
 def _raise_next_ino(live: Live, cs: Changeset) -> None:
@@ -323,9 +435,9 @@ def _check_invariants(live: Live, cs: Changeset, around: set[int]) -> None:
             raise MirrorError(f"commit refused: {problems[0]}")
 
 
-def _drop(live: Live, x: int, cs: Changeset) -> None:
+def _drop(live: Live, x: int, named) -> None:
     """Delete inode ``x`` and, for a directory, whatever only it held: entries under it
-    whose inodes the changeset does not mention are implied deletes."""
+    whose inodes the changeset does not name (``named``) are implied deletes."""
     todo = [x]
     while todo:
         ino = todo.pop()
@@ -335,7 +447,7 @@ def _drop(live: Live, x: int, cs: Changeset) -> None:
         if stat.S_ISDIR(rec.mode):
             for name, child in list(live.listdir(ino)):
                 live.delete_dirent(ino, name)
-                if child not in cs.inodes:
+                if child not in named:
                     todo.append(child)
         live.destroy(ino)
 
@@ -381,7 +493,8 @@ def _adopt(live: Live, digest: bytes, length: int) -> None:
 
 def _check_tree(live: Live, cs: Changeset, arrived_dirs: list[int]) -> None:
     """After the changes: every new entry names an inode that exists, and every directory
-    that arrived somewhere still hangs from the root (no cycle, nothing detached)."""
+    that arrived somewhere (or that an entry names) still hangs from the root (no cycle,
+    nothing detached)."""
     for (d, name), child in cs.entries.items():
         if child is not None and live.inode(child) is None:
             raise MirrorError(f"commit links {name!r} to inode {child}, which it does not "
