@@ -314,6 +314,9 @@ def _check_invariants(live: Live, cs: Changeset, around: set[int]) -> None:
         if rec is None:
             if cs.xattrs.get(x) or any(v is not None for v in cs.chunks.get(x, {}).values()):
                 raise MirrorError(f"commit sets content of inode {x}, which does not exist")
+            if live.links(x):
+                raise MirrorError(f"commit deletes inode {x} but leaves a name pointing to "
+                                  f"it")
             continue
         names = len(live.links(x))
         if x != S.ROOT_INO and not names:

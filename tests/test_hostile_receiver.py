@@ -88,7 +88,7 @@ def world(tmp_path_factory):
     yield src, r, m
     m.close()
     r.stop()
-    err = r.proc.stderr.read()
+    err = r.log()
     assert "Traceback" not in err, err
     assert TOKEN not in err and ADMIN_TOKEN not in err
     assert "refused POST /v1/commit from 127.0.0.1: 409" in err

@@ -246,7 +246,7 @@ def test_client_and_receiver_report_the_same_counts(mounted, receiver, tmp_path)
     summary = json.loads(res.stdout)
     r.stop()
     logged = re.search(r"committed snapshot (\S+) \((\d+) names and (\d+) inodes changed\)",
-                       r.proc.stderr.read())
+                       r.log())
     assert logged, "the receiver did not log its commit"
     assert logged.groups() == (summary["snapshot"], str(summary["entries"]),
                                str(summary["inodes"]))
