@@ -40,44 +40,58 @@ class SnapshotRef:
 
 # ---- staging chunks -----------------------------------------------------------------------
 
-def stage(txn, dbs, chunks, max_staged: int | None = None,
-          max_age: float | None = None) -> tuple[int, int]:
+@dataclass(frozen=True)
+class StagingLimits:
+    """How much a token holder may leave staged but not committed. An initial copy stages
+    every chunk of the snapshot before its one commit, so the default is not a fixed cap
+    but the disk: staging always leaves ``keep_free`` bytes free. Staging that saw no new
+    batch for ``idle_seconds`` belongs to an abandoned cycle and is dropped."""
+
+    max_bytes: int | None = None
+    idle_seconds: float | None = 24 * 3600.0
+    keep_free: int = 2 << 30
+
+
+def stage(txn, dbs, chunks, limits: StagingLimits = StagingLimits(),
+          free_bytes: int | None = None) -> tuple[int, int]:
     """Store chunks received for a cycle: ``chunks`` is [(digest, data)]. Each digest is
     checked before anything is written. Returns (chunks stored, bytes stored); chunks the
-    mirror already has are skipped. Staging is bounded: chunks staged longer ago than
-    ``max_age`` seconds are dropped first (an abandoned cycle), and a batch that would take
-    the staged bytes over ``max_staged`` is refused."""
-    stored = nbytes = 0
+    mirror already has are skipped. ``free_bytes``: the disk's free space now (None: not
+    checked). A batch over ``limits`` is refused whole."""
     for digest, data in chunks:
         digest = bytes(digest)
         if len(digest) != S.DIGEST_SIZE or blake3.blake3(data).digest() != digest:
             raise MirrorError(f"chunk {digest.hex()[:16]} does not match its digest "
                               f"(corrupted in transit?); nothing of this batch was stored")
-    held, since = _staged_account(txn, dbs)
-    if max_age is not None and held and time.time() - since > max_age:
+    held, last = _staged_account(txn, dbs)
+    if held and limits.idle_seconds is not None and time.time() - last > limits.idle_seconds:
         _drop_staged(txn, dbs)
         held = 0
-    since = since if held else time.time()
-    if max_staged is not None and held + sum(len(d) for _, d in chunks) > max_staged:
-        raise MirrorError(f"the mirror holds {held} bytes staged but not committed, its "
-                          f"limit is {max_staged}; commit (or wait for old staging to "
-                          f"expire) before sending more")
-    for digest, data in chunks:
-        digest = bytes(digest)
-        if _present(txn, dbs, digest):
-            continue
+    new = {bytes(d): data for d, data in chunks if not _present(txn, dbs, bytes(d))}
+    nbytes = sum(len(data) for data in new.values())
+    _check_room(held, nbytes, limits, free_bytes)
+    for digest, data in new.items():
         txn.put(digest, data, db=dbs["blobs"])
         txn.put(digest, b"", db=dbs["staged"])
-        stored += 1
-        nbytes += len(data)
-    if stored:
-        txn.put(b"staged_bytes", S.u64(held + nbytes) + S.u64(int(since)),
+    if new:
+        txn.put(b"staged_bytes", S.u64(held + nbytes) + S.u64(int(time.time())),
                 db=dbs["meta"])
-    return stored, nbytes
+    return len(new), nbytes
+
+
+def _check_room(held: int, adding: int, limits: StagingLimits, free_bytes: int | None):
+    if limits.max_bytes is not None and held + adding > limits.max_bytes:
+        raise MirrorError(f"the mirror holds {held} bytes staged but not committed, its "
+                          f"limit is {limits.max_bytes}; commit (or let the abandoned "
+                          f"staging expire) before sending more")
+    if free_bytes is not None and free_bytes - adding < limits.keep_free:
+        raise MirrorError(f"staging {adding} more bytes would leave less than "
+                          f"{limits.keep_free} bytes free on the mirror's disk "
+                          f"({free_bytes} free, {held} of them staged); free space there")
 
 
 def _staged_account(txn, dbs) -> tuple[int, float]:
-    """(bytes staged and not committed, when staging began) from the meta record."""
+    """(bytes staged and not committed, when the last batch was staged) from meta."""
     raw = txn.get(b"staged_bytes", db=dbs["meta"])
     if raw is None:
         return 0, 0.0

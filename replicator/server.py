@@ -115,8 +115,7 @@ class Limits:
 
     max_body: int = MAX_BODY              # bytes per request, on the wire and decompressed
     body_seconds: float = 300.0           # to receive one request body in full
-    max_staged: int = 8 << 30             # bytes staged but not committed
-    staged_seconds: float = 24 * 3600.0   # staged chunks older than this are dropped
+    staging: mirror.StagingLimits = mirror.StagingLimits()
 
 
 class Receiver:
@@ -210,8 +209,8 @@ class Receiver:
 
     async def chunks(self, request: Request):
         frames = await self.frames(request)
-        stored, nbytes = await self.write(mirror.stage, frames, self.limits.max_staged,
-                                          self.limits.staged_seconds)
+        free = await trio.to_thread.run_sync(lambda: self.store.disk_usage()[1])
+        stored, nbytes = await self.write(mirror.stage, frames, self.limits.staging, free)
         return JSONResponse({"stored": stored, "bytes": nbytes})
 
     async def commit(self, request: Request):

@@ -293,6 +293,32 @@ def test_staging_is_bounded(world):
     assert "staged" in reason
 
 
+def test_abandoned_staging_expires_and_staging_keeps_the_disk_free(tmp_path):
+    Store.mkfs(tmp_path / "m", CHUNK)
+    store = Store.open(tmp_path / "m")
+    one, two = ([(blake3.blake3(d).digest(), d)] for d in (b"a" * 1000, b"b" * 1000))
+
+    def stage(chunks, limits, free=None):
+        with store.write() as txn:
+            return mirror.stage(txn, store.db, chunks, limits, free)
+
+    def staged():
+        with store.read() as txn:
+            return [bytes(k) for k in txn.cursor(db=store.db["staged"]).iternext(values=False)]
+    try:
+        assert stage(one, mirror.StagingLimits()) == (1, 1000)
+        assert stage(two, mirror.StagingLimits(idle_seconds=3600)) == (1, 1000)
+        assert len(staged()) == 2                      # a live cycle keeps what it staged
+        assert stage(one, mirror.StagingLimits(idle_seconds=-1)) == (1, 1000)
+        assert staged() == [one[0][0]]                 # the abandoned batches were dropped
+        with pytest.raises(mirror.MirrorError, match="less than 4096 bytes free"):
+            stage(two, mirror.StagingLimits(keep_free=4096), free=4096 + 999)
+        assert staged() == [one[0][0]]
+        assert stage(two, mirror.StagingLimits(keep_free=4096), free=4096 + 1000) == (1, 1000)
+    finally:
+        store.close()
+
+
 def test_a_slow_body_is_cut_off(world):
     src, r, m = world
     with socket.create_connection(("127.0.0.1", r.port)) as s:

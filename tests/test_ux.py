@@ -60,6 +60,7 @@ def test_failed_replicates_are_one_line_and_leave_no_snapshot(mounted, receiver,
     (not_a_store / "x").write_text("x")
     wrong_token = tmp_path / "wrong-token"
     wrong_token.write_text("not-the-token-at-all-0123456789")
+    wrong_token.chmod(0o600)
     r = receiver()
     with_token = dict(os.environ, MOUNTFS_TOKEN=TOKEN)
     cases = [
