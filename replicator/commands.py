@@ -395,7 +395,7 @@ def forget_mirror(ctx, url):
               help="File holding the admin token, which may also roll back (replicate "
               "--force) and prune snapshots. Keep it off the source, or leave it out and "
               "prune on this host with 'snapctl prune --store'.")
-@click.option("--max-request", type=SIZE, default="512M", show_default=True,
+@click.option("--max-request", type=SIZE, default="1G", show_default=True,
               help="Largest request body, compressed or not (413 beyond).")
 @click.option("--max-staged", type=SIZE, help="Most chunk bytes held staged but not "
               "committed (default: no fixed cap; a first copy stages all its data before "

@@ -50,7 +50,7 @@ from .changeset import Changeset
 log = logging.getLogger(__name__)
 
 FRAME = struct.Struct(">32sI")
-MAX_BODY = 512 << 20          # bytes, on the wire and decompressed, per request or response
+MAX_BODY = 1 << 30            # bytes, on the wire and decompressed, per request or response
 
 
 class TooLarge(mirror.MirrorError):

@@ -344,6 +344,31 @@ def test_the_replicate_token_cannot_roll_back_or_prune(world):
     assert fsck_problems(r) == []
 
 
+def test_a_mirror_is_pruned_on_its_own_host(tmp_path):
+    Store.mkfs(tmp_path / "m", CHUNK)
+    store = Store.open(tmp_path / "m")
+    with store.write() as txn:
+        for name in ("auto-1", "mine", "auto-2", "auto-3"):
+            snaps.create(txn, store.db, name)
+    store.close()
+
+    def prune(*args):
+        return subprocess.run([sys.executable, "-m", "cmdline.snapctl", "prune", "--store",
+                               str(tmp_path / "m"), *args], capture_output=True, text=True,
+                              timeout=60)
+    res = prune("--retention", "keep_last = 0")
+    assert res.stdout.splitlines() == ["prune auto-1",
+                                       "keep  mine: made by a user (prune_user is off)",
+                                       "prune auto-2", "keep  auto-3: newest"]
+    store = Store.open(tmp_path / "m", readonly=True, lock=False)
+    with store.read() as txn:
+        assert [s.name for s in snaps.list_all(txn, store.db)] == ["mine", "auto-3"]
+    store.close()
+    res = prune("--retention", "keep_last = -1")
+    assert res.returncode == 2 and "keep_last must be a count" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
 # ---- 8: token and transport hygiene ------------------------------------------------------
 
 def test_a_token_file_others_can_read_is_refused(tmp_path):
