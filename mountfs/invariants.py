@@ -16,6 +16,8 @@ from . import schema as S
 from .namespace import View
 
 MAX_CHUNK_INDEX = (1 << 40) - 1      # 2**40 chunks of at least 4 KiB: beyond any file size
+FILE_TYPES = {stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFCHR, stat.S_IFBLK,
+              stat.S_IFIFO, stat.S_IFSOCK}
 
 
 def ino_in_range(ino: int) -> bool:
@@ -54,8 +56,12 @@ def inode_problems(view: View, ino: int, rec: S.Inode, names: int,
     out = []
     if not ino_in_range(ino):
         out.append(f"inode {ino} lies outside the store's range 1..{S.MAX_INO}")
+    if stat.S_IFMT(rec.mode) not in FILE_TYPES:
+        out.append(f"inode {ino} has mode {rec.mode:o}, of no known file type")
     if ino == S.ROOT_INO and not stat.S_ISDIR(rec.mode):
         out.append("the root is not a directory")
+    if ino == S.ROOT_INO and names:
+        out.append("the root is named in a directory (a cycle)")
     out += _epoch_problems(view, ino, rec)
     if stat.S_ISDIR(rec.mode):
         subdirs = subdir_count(view, ino) if subdirs is None else subdirs

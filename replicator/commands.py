@@ -395,10 +395,16 @@ def forget_mirror(ctx, url):
               help="File holding the admin token, which may also roll back (replicate "
               "--force) and prune snapshots. Keep it off the source, or leave it out and "
               "prune on this host with 'snapctl prune --store'.")
-@click.option("--max-request", type=SIZE, default="512M", show_default=True,
+@click.option("--max-request", type=SIZE, default="1G", show_default=True,
               help="Largest request body, compressed or not (413 beyond).")
-@click.option("--max-staged", type=SIZE, default="8G", show_default=True,
-              help="Most chunk bytes held staged but not committed.")
+@click.option("--max-staged", type=SIZE, help="Most chunk bytes held staged but not "
+              "committed (default: no fixed cap; a first copy stages all its data before "
+              "its one commit).")
+@click.option("--keep-free", type=SIZE, default="2G", show_default=True,
+              help="Staging never leaves less than this free on the mirror's disk.")
+@click.option("--staging-expiry", type=float, default=86400.0, show_default=True,
+              metavar="SECONDS", help="Drop staged chunks of a cycle that sent nothing for "
+              "this long (abandoned).")
 @click.option("--body-timeout", type=float, default=300.0, show_default=True,
               metavar="SECONDS", help="Time a client has to send one request body.")
 @click.option("--tls-cert", type=click.Path(dir_okay=False), help="Serve HTTPS with this "
@@ -409,7 +415,8 @@ def forget_mirror(ctx, url):
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages (as 'mountfs -v').")
 @click.pass_context
 def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, max_staged,
-                 body_timeout, tls_cert, tls_key, chunk_size, verbose):
+                 keep_free, staging_expiry, body_timeout, tls_cert, tls_key, chunk_size,
+                 verbose):
     """Receive replication into mirror STORE over HTTP(S) (created if missing).
 
     Sources replicate with 'snapctl replicate --to http://HOST:PORT --token-file FILE'.
@@ -418,6 +425,7 @@ def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, 
 
     from mountfs.cli import setup_logging
     from mountfs.store import Store
+    from replicator.mirror import StagingLimits
     from replicator.server import Limits, serve
     setup_logging(verbose or (ctx.obj or {}).get("verbose", False))
     if bool(tls_cert) != bool(tls_key):
@@ -430,7 +438,8 @@ def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, 
         click.echo(f"WARNING: serving on {listen} without TLS: the token and every byte of "
                    f"the mirror cross the network in clear; use --tls-cert/--tls-key",
                    err=True)
-    limits = Limits(max_body=max_request, body_seconds=body_timeout, max_staged=max_staged)
+    limits = Limits(max_body=max_request, body_seconds=body_timeout,
+                    staging=StagingLimits(max_staged, staging_expiry, keep_free))
     try:
         if not os.path.exists(os.path.join(store, "data.mdb")):
             Store.mkfs(store, chunk_size)

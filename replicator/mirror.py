@@ -44,52 +44,58 @@ class SnapshotRef:
 
 # ---- staging chunks -----------------------------------------------------------------------
 
-def stage(txn, dbs, chunks, max_staged: int | None = None,
-          max_age: float | None = None) -> tuple[int, int]:
+@dataclass(frozen=True)
+class StagingLimits:
+    """How much a token holder may leave staged but not committed. An initial copy stages
+    every chunk of the snapshot before its one commit, so the default is not a fixed cap
+    but the disk: staging always leaves ``keep_free`` bytes free. Staging that saw no new
+    batch for ``idle_seconds`` belongs to an abandoned cycle and is dropped."""
+
+    max_bytes: int | None = None
+    idle_seconds: float | None = 24 * 3600.0
+    keep_free: int = 2 << 30
+
+
+def stage(txn, dbs, chunks, limits: StagingLimits = StagingLimits(),
+          free_bytes: int | None = None) -> tuple[int, int]:
     """Store chunks received for a cycle: ``chunks`` is [(digest, data)]. Each digest is
     checked before anything is written. Returns (chunks stored, bytes stored); chunks the
-    mirror already has are skipped. Staging is bounded: chunks staged longer ago than
-    ``max_age`` seconds are dropped first (an abandoned cycle), and a batch that would take
-    the staged bytes over ``max_staged`` is refused."""
-    stored = nbytes = 0
+    mirror already has are skipped. ``free_bytes``: the disk's free space now (None: not
+    checked). A batch over ``limits`` is refused whole."""
     for digest, data in chunks:
         digest = bytes(digest)
         if len(digest) != S.DIGEST_SIZE or blake3.blake3(data).digest() != digest:
             raise MirrorError(f"chunk {digest.hex()[:16]} does not match its digest "
                               f"(corrupted in transit?); nothing of this batch was stored")
-    held, since = _reserve(txn, dbs, sum(len(d) for _, d in chunks), max_staged, max_age)
-    for digest, data in chunks:
-        digest = bytes(digest)
-        if _present(txn, dbs, digest):
-            continue
-        txn.put(digest, data, db=dbs["blobs"])
-        txn.put(digest, b"", db=dbs["staged"])
-        stored += 1
-        nbytes += len(data)
-    if stored:
-        txn.put(b"staged_bytes", S.u64(held + nbytes) + S.u64(int(since)),
-                db=dbs["meta"])
-    return stored, nbytes
-
-
-def _reserve(txn, dbs, nbytes: int, max_staged: int | None,
-             max_age: float | None) -> tuple[int, float]:
-    """Make room for ``nbytes`` more staged bytes: staging older than ``max_age`` is dropped
-    first, more than ``max_staged`` in all is refused. Returns (bytes held, since when)."""
-    held, since = _staged_account(txn, dbs)
-    if max_age is not None and held and time.time() - since > max_age:
+    held, last = _staged_account(txn, dbs)
+    if held and limits.idle_seconds is not None and time.time() - last > limits.idle_seconds:
         _drop_staged(txn, dbs)
         held = 0
-    since = since if held else time.time()
-    if max_staged is not None and held + nbytes > max_staged:
+    new = {bytes(d): data for d, data in chunks if not _present(txn, dbs, bytes(d))}
+    nbytes = sum(len(data) for data in new.values())
+    _check_room(held, nbytes, limits, free_bytes)
+    for digest, data in new.items():
+        txn.put(digest, data, db=dbs["blobs"])
+        txn.put(digest, b"", db=dbs["staged"])
+    if new:
+        txn.put(b"staged_bytes", S.u64(held + nbytes) + S.u64(int(time.time())),
+                db=dbs["meta"])
+    return len(new), nbytes
+
+
+def _check_room(held: int, adding: int, limits: StagingLimits, free_bytes: int | None):
+    if limits.max_bytes is not None and held + adding > limits.max_bytes:
         raise MirrorError(f"the mirror holds {held} bytes staged but not committed, its "
-                          f"limit is {max_staged}; commit (or wait for old staging to "
-                          f"expire) before sending more")
-    return held, since
+                          f"limit is {limits.max_bytes}; commit (or let the abandoned "
+                          f"staging expire) before sending more")
+    if free_bytes is not None and free_bytes - adding < limits.keep_free:
+        raise MirrorError(f"staging {adding} more bytes would leave less than "
+                          f"{limits.keep_free} bytes free on the mirror's disk "
+                          f"({free_bytes} free, {held} of them staged); free space there")
 
 
 def _staged_account(txn, dbs) -> tuple[int, float]:
-    """(bytes staged and not committed, when staging began) from the meta record."""
+    """(bytes staged and not committed, when the last batch was staged) from meta."""
     raw = txn.get(b"staged_bytes", db=dbs["meta"])
     if raw is None:
         return 0, 0.0
@@ -128,32 +134,29 @@ def parse_part(raw: bytes, chunk_size: int) -> Changeset:
     if len(raw) > MAX_PART_BYTES:
         raise MirrorError(f"a changeset part of {len(raw)} bytes is over the limit of "
                           f"{MAX_PART_BYTES}")
-    cs = _decode_part(raw)
+    cs = Changeset.from_json(json.loads(raw))    # malformed: ValueError (the peer's 400)
     _validate(cs, chunk_size)
     return cs
 
 
-def _decode_part(raw: bytes) -> Changeset:
-    try:
-        return Changeset.from_json(json.loads(raw))
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError,
-            UnicodeError) as e:
-        raise MirrorError(f"malformed changeset part: {type(e).__name__}: {e}") from None
-
-
 def stage_part(txn, dbs, chunk_size: int, transfer: bytes, index: int, raw: bytes,
-               max_staged: int | None = None, max_age: float | None = None) -> bytes:
+               limits: StagingLimits = StagingLimits(), free_bytes: int | None = None) -> bytes:
     """Stage part ``index`` of transfer ``transfer`` (validated first); it counts against
-    the same staging bounds as chunks and is dropped with them. Returns its digest, which
-    the commit names."""
+    the same staging limits as chunks (a part staged again replaces the first) and is
+    dropped with them. Returns its digest, which the commit names."""
     key = part_key(transfer, index)
     parse_part(raw, chunk_size)
+    held, last = _staged_account(txn, dbs)
+    if held and limits.idle_seconds is not None and time.time() - last > limits.idle_seconds:
+        _drop_staged(txn, dbs)
+        held = 0
     old = txn.get(key, db=dbs["blobs"])
-    held, since = _reserve(txn, dbs, len(raw), max_staged, max_age)
+    held -= len(old) if old is not None else 0
+    _check_room(held, len(raw), limits, free_bytes)
     txn.put(key, raw, db=dbs["blobs"])
     txn.put(key, b"", db=dbs["staged"])
-    held = held + len(raw) - (len(old) if old is not None else 0)
-    txn.put(b"staged_bytes", S.u64(max(held, 0)) + S.u64(int(since)), db=dbs["meta"])
+    txn.put(b"staged_bytes", S.u64(max(held, 0) + len(raw)) + S.u64(int(time.time())),
+            db=dbs["meta"])
     return blake3.blake3(raw).digest()
 
 
@@ -175,7 +178,8 @@ def staged_parts(txn, dbs, transfer: bytes, digests: list[bytes]) -> Parts:
 
     def load():
         for index in range(len(digests)):
-            yield _decode_part(bytes(txn.get(part_key(transfer, index), db=dbs["blobs"])))
+            raw = txn.get(part_key(transfer, index), db=dbs["blobs"])
+            yield Changeset.from_json(json.loads(bytes(raw)))
     return load
 
 
@@ -426,6 +430,9 @@ def _check_invariants(live: Live, cs: Changeset, around: set[int]) -> None:
         if rec is None:
             if cs.xattrs.get(x) or any(v is not None for v in cs.chunks.get(x, {}).values()):
                 raise MirrorError(f"commit sets content of inode {x}, which does not exist")
+            if live.links(x):
+                raise MirrorError(f"commit deletes inode {x} but leaves a name pointing to "
+                                  f"it")
             continue
         names = len(live.links(x))
         if x != S.ROOT_INO and not names:

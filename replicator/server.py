@@ -53,7 +53,7 @@ from .changeset import Changeset
 log = logging.getLogger(__name__)
 
 FRAME = struct.Struct(">32sI")
-MAX_BODY = 512 << 20          # bytes, on the wire and decompressed, per request or response
+MAX_BODY = 1 << 30            # bytes, on the wire and decompressed, per request or response
 
 
 class TooLarge(mirror.MirrorError):
@@ -118,8 +118,7 @@ class Limits:
 
     max_body: int = MAX_BODY              # bytes per request, on the wire and decompressed
     body_seconds: float = 300.0           # to receive one request body in full
-    max_staged: int = 8 << 30             # bytes staged but not committed
-    staged_seconds: float = 24 * 3600.0   # staged chunks older than this are dropped
+    staging: mirror.StagingLimits = mirror.StagingLimits()
 
 
 class Receiver:
@@ -213,8 +212,8 @@ class Receiver:
 
     async def chunks(self, request: Request):
         frames = await self.frames(request)
-        stored, nbytes = await self.write(mirror.stage, frames, self.limits.max_staged,
-                                          self.limits.staged_seconds)
+        free = await trio.to_thread.run_sync(lambda: self.store.disk_usage()[1])
+        stored, nbytes = await self.write(mirror.stage, frames, self.limits.staging, free)
         return JSONResponse({"stored": stored, "bytes": nbytes})
 
     async def commit(self, request: Request):
@@ -237,8 +236,9 @@ class Receiver:
         body = await self.body(request)
         raw = await trio.to_thread.run_sync(decompress, body,
                                             min(self.limits.max_body, mirror.MAX_PART_BYTES))
+        free = await trio.to_thread.run_sync(lambda: self.store.disk_usage()[1])
         await self.write(mirror.stage_part, self.store.chunk_size, transfer, index, raw,
-                         self.limits.max_staged, self.limits.staged_seconds)
+                         self.limits.staging, free)
         return JSONResponse({"ok": True})
 
     async def commit_parts(self, request: Request):

@@ -375,6 +375,7 @@ def run_all(work: Workdir, args, results: Results) -> None:
     rng = random.Random(42)
     token = work.path / "token"
     token.write_text(TOKEN)
+    token.chmod(0o600)                        # serve-mirror refuses a token others can read
     store, mnt, plain = work.path / "store", work.path / "mnt", work.path / "plain"
     mnt.mkdir()
     plain.mkdir()

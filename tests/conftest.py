@@ -101,6 +101,10 @@ class Mount:
     def umount(self) -> None:
         cli("mountfs", "umount", self.mnt)
 
+    def log(self) -> str:
+        """What the server wrote to stdout and stderr so far."""
+        return self.log_path.read_text()
+
     def kill9(self) -> None:
         """Kill the mount process as a crash would, and detach the dead mount."""
         pid = self.pid
@@ -200,8 +204,11 @@ class Receiver:
                 *self.extra]
         if self.tls:
             args += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        # the log goes to a file, not a pipe: a pipe nobody drains blocks the server once
+        # 64 KiB of log lines (one per refused request) have been written
+        self.log_path = self.store.parent / f"serve-mirror-{self.port}.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -209,9 +216,13 @@ class Receiver:
                 return self
             except OSError:
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"serve-mirror exited: {self.proc.stderr.read()}")
+                    raise AssertionError(f"serve-mirror exited: {self.log()}")
                 assert time.monotonic() < deadline, "serve-mirror did not start listening"
                 time.sleep(0.1)
+
+    def log(self) -> str:
+        """What the server wrote to stdout and stderr so far."""
+        return self.log_path.read_text()
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

@@ -88,7 +88,7 @@ def world(tmp_path_factory):
     yield src, r, m
     m.close()
     r.stop()
-    err = r.proc.stderr.read()
+    err = r.log()
     assert "Traceback" not in err, err
     assert TOKEN not in err and ADMIN_TOKEN not in err
     assert "refused POST /v1/commit from 127.0.0.1: 409" in err
@@ -293,6 +293,32 @@ def test_staging_is_bounded(world):
     assert "staged" in reason
 
 
+def test_abandoned_staging_expires_and_staging_keeps_the_disk_free(tmp_path):
+    Store.mkfs(tmp_path / "m", CHUNK)
+    store = Store.open(tmp_path / "m")
+    one, two = ([(blake3.blake3(d).digest(), d)] for d in (b"a" * 1000, b"b" * 1000))
+
+    def stage(chunks, limits, free=None):
+        with store.write() as txn:
+            return mirror.stage(txn, store.db, chunks, limits, free)
+
+    def staged():
+        with store.read() as txn:
+            return [bytes(k) for k in txn.cursor(db=store.db["staged"]).iternext(values=False)]
+    try:
+        assert stage(one, mirror.StagingLimits()) == (1, 1000)
+        assert stage(two, mirror.StagingLimits(idle_seconds=3600)) == (1, 1000)
+        assert len(staged()) == 2                      # a live cycle keeps what it staged
+        assert stage(one, mirror.StagingLimits(idle_seconds=-1)) == (1, 1000)
+        assert staged() == [one[0][0]]                 # the abandoned batches were dropped
+        with pytest.raises(mirror.MirrorError, match="less than 4096 bytes free"):
+            stage(two, mirror.StagingLimits(keep_free=4096), free=4096 + 999)
+        assert staged() == [one[0][0]]
+        assert stage(two, mirror.StagingLimits(keep_free=4096), free=4096 + 1000) == (1, 1000)
+    finally:
+        store.close()
+
+
 def test_a_slow_body_is_cut_off(world):
     src, r, m = world
     with socket.create_connection(("127.0.0.1", r.port)) as s:
@@ -316,6 +342,31 @@ def test_the_replicate_token_cannot_roll_back_or_prune(world):
     assert res.status_code == 200, res.text
     assert [s["name"] for s in m.info()["snapshots"]] == [s["name"] for s in held[1:]]
     assert fsck_problems(r) == []
+
+
+def test_a_mirror_is_pruned_on_its_own_host(tmp_path):
+    Store.mkfs(tmp_path / "m", CHUNK)
+    store = Store.open(tmp_path / "m")
+    with store.write() as txn:
+        for name in ("auto-1", "mine", "auto-2", "auto-3"):
+            snaps.create(txn, store.db, name)
+    store.close()
+
+    def prune(*args):
+        return subprocess.run([sys.executable, "-m", "cmdline.snapctl", "prune", "--store",
+                               str(tmp_path / "m"), *args], capture_output=True, text=True,
+                              timeout=60)
+    res = prune("--retention", "keep_last = 0")
+    assert res.stdout.splitlines() == ["prune auto-1",
+                                       "keep  mine: made by a user (prune_user is off)",
+                                       "prune auto-2", "keep  auto-3: newest"]
+    store = Store.open(tmp_path / "m", readonly=True, lock=False)
+    with store.read() as txn:
+        assert [s.name for s in snaps.list_all(txn, store.db)] == ["mine", "auto-3"]
+    store.close()
+    res = prune("--retention", "keep_last = -1")
+    assert res.returncode == 2 and "keep_last must be a count" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
 
 
 # ---- 8: token and transport hygiene ------------------------------------------------------

@@ -60,6 +60,7 @@ def test_failed_replicates_are_one_line_and_leave_no_snapshot(mounted, receiver,
     (not_a_store / "x").write_text("x")
     wrong_token = tmp_path / "wrong-token"
     wrong_token.write_text("not-the-token-at-all-0123456789")
+    wrong_token.chmod(0o600)
     r = receiver()
     with_token = dict(os.environ, MOUNTFS_TOKEN=TOKEN)
     cases = [
@@ -246,7 +247,7 @@ def test_client_and_receiver_report_the_same_counts(mounted, receiver, tmp_path)
     summary = json.loads(res.stdout)
     r.stop()
     logged = re.search(r"committed snapshot (\S+) \((\d+) names and (\d+) inodes changed\)",
-                       r.proc.stderr.read())
+                       r.log())
     assert logged, "the receiver did not log its commit"
     assert logged.groups() == (summary["snapshot"], str(summary["entries"]),
                                str(summary["inodes"]))
