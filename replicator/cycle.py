@@ -68,11 +68,13 @@ class CycleResult:
 def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
               master: str | None = None, batch_bytes: int = transfer.DEFAULT_BATCH_BYTES,
               stall_seconds: float = transfer.DEFAULT_STALL_SECONDS,
-              progress=None, inline_bytes: int = 0, phase=None) -> CycleResult:
+              progress=None, inline_bytes: int = 0, phase=None,
+              part_records: int = changeset.PART_RECORDS) -> CycleResult:
     """Send snapshot ``snapshot`` of the store at ``source_path`` to ``mirror`` (an
     endpoint from replicator.endpoints). Transfers of at most ``inline_bytes`` skip Spark
     (starting its JVM costs seconds; a few changed chunks take milliseconds).
-    ``phase(text)`` hears what the cycle is doing before the transfer's ``progress``."""
+    ``phase(text)`` hears what the cycle is doing before the transfer's ``progress``.
+    The changeset travels in parts of at most ``part_records`` records."""
     phase = phase or (lambda text: None)
     started = time.monotonic()
     transfer.check_reachable(master, mirror.sink)
@@ -101,9 +103,10 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
                               "another number of buckets; replicate into an empty mirror")
         sender = _Sender(source, mirror, batch_bytes, inline_bytes, progress)
         with source.read() as txn:
-            parts = changeset.split(reconcile(source, mirror, snap)) if reconciling else \
-                changeset.parts(txn, source.db, source.chunk_size,
-                                base.epoch if base else None, snap.epoch)
+            parts = changeset.split(reconcile(source, mirror, snap), part_records) \
+                if reconciling else changeset.parts(txn, source.db, source.chunk_size,
+                                                    base.epoch if base else None,
+                                                    snap.epoch, part_records)
             diff_seconds = time.monotonic() - diff_started
             parts = iter(parts)
             while True:           # the diff's time is the parts' building, not their sending

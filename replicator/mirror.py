@@ -287,8 +287,8 @@ def _mark_clean(txn, dbs, base: S.Snapshot) -> None:
 def _drop_staged(txn, dbs) -> None:
     """Chunks staged but not adopted by this commit belong to no cycle any more."""
     cur = txn.cursor(dbs["staged"])
-    for digest in list(cur.iternext(values=False)):
-        digest = bytes(digest)
+    # copied first: the keys are views into pages that the deletes below rewrite
+    for digest in [bytes(k) for k in cur.iternext(values=False)]:
         if txn.get(digest, db=dbs["refs"]) is None:
             txn.delete(digest, db=dbs["blobs"])
         txn.delete(digest, db=dbs["staged"])
