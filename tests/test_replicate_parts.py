@@ -22,10 +22,11 @@ import zstandard
 from mountfs.store import Store
 from replicator import changeset
 from replicator.changeset import Changeset
-from replicator.mirror import PART_PREFIX
+from replicator.mirror import part_key
 
 from conftest import TOKEN, cli
-from test_replicate import assert_mirror_equals, churn, mirror_info, populate, send
+from test_replicate import (assert_mirror_equals, churn, mirror_info, populate, send,
+                            staged_count)
 from test_replicate_http import send as send_http
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -46,16 +47,7 @@ def committed_parts(log: str) -> list[int]:
 
 
 def staged_parts(store_path: Path) -> int:
-    try:
-        store = Store.open(store_path, readonly=True, lock=False)
-    except Exception:
-        return 0
-    try:
-        with store.read() as txn:
-            return sum(bytes(k).startswith(PART_PREFIX) and len(k) == 24 for k in
-                       txn.cursor(store.db["staged"]).iternext(values=False))
-    finally:
-        store.close()
+    return staged_count(store_path, key_length=len(part_key(bytes(16), 0)))
 
 
 # ---- a changeset of many parts, over HTTP and to a file:// mirror ---------------------------
