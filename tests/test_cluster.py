@@ -158,13 +158,30 @@ class Cluster:
             env=dict(env, SPARK_LOCAL_IP=NET.source_w), stdout=open(top / "master.log", "w"),
             stderr=subprocess.STDOUT)
         wait_for("the Spark master", lambda: listening(NET.source_w, self.port))
+        self.hidden, self.spark_env = hidden, env
+        self.start_worker()
+
+    def start_worker(self) -> None:
         self.worker = subprocess.Popen(
-            in_namespace(NET.ns_worker, [spark_class, "org.apache.spark.deploy.worker.Worker",
+            in_namespace(NET.ns_worker, [str(self.home / "bin" / "spark-class"),
+                                     "org.apache.spark.deploy.worker.Worker",
                                      "--host", NET.worker_s, "--cores", "2", "--memory", "1g",
-                                     "--work-dir", top / "work", self.url], hidden),
-            env=dict(env, SPARK_LOCAL_IP=NET.worker_s), stdout=open(top / "worker.log", "w"),
-            stderr=subprocess.STDOUT)
+                                     "--work-dir", self.top / "work", self.url], self.hidden),
+            env=dict(self.spark_env, SPARK_LOCAL_IP=NET.worker_s),
+            stdout=open(self.top / "worker.log", "a"), stderr=subprocess.STDOUT)
         wait_for("the worker to register", lambda: self.alive_workers() == 1)
+
+    def kill_worker_host(self) -> None:
+        """Every process of the worker's namespace (worker, executor, Python workers) dies
+        at once, as when its host loses power."""
+        pids = ip("netns", "pids", NET.ns_worker).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.worker.wait()
+        wait_for("the master to drop the dead worker", lambda: self.alive_workers() == 0)
 
     def state(self) -> dict:
         with urllib.request.urlopen(f"http://{NET.source_w}:{self.ui}/json", timeout=5) as r:
@@ -421,3 +438,68 @@ def test_executors_without_python_are_one_clear_line(cluster, source, receiver):
     assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
     assert "/nonexistent/python3" in res.stderr, res.stderr
     assert "nopy1" not in mirror_snapshots(receiver)
+
+
+def test_a_worker_that_dies_mid_job_is_one_line_and_a_rerun_converges(cluster, source,
+                                                                    receiver, slow_link):
+    m = source
+    (m.mnt / "dies").mkdir()
+    for i in range(24):
+        (m.mnt / "dies" / f"f{i}").write_bytes(os.urandom(1 << 20))
+    m.snapctl("create", "dies1")
+    proc = subprocess.Popen(
+        [SNAPCTL, "-m", str(m.mnt), "replicate", "--to", receiver.url, "--token-file",
+         str(receiver.token_file), "--snapshot", "dies1", "--spark-master", cluster.url,
+         "--spark-threshold", "0", "--batch-size", "1M", "--stall-timeout", "10s"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env())
+    try:
+        wait_for("the first chunks to arrive",
+                 lambda: proc.poll() is not None or staged_count(receiver.store) > 0)
+        cluster.kill_worker_host()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if cluster.alive_workers() == 0:
+            cluster.start_worker()                  # the next tests need their worker
+    assert proc.returncode == 1 and err.count("\n") == 1, err
+    assert "no executor left" in err and NET.worker_s in err, err
+    assert "dies1" not in mirror_snapshots(receiver)
+    arrived = settled(lambda: staged_bytes(receiver.store))
+    assert 0 < arrived < 24 << 20
+    again = replicate(m, cluster, receiver, "dies1")
+    assert again.returncode == 0, again.stderr
+    summary = json.loads(again.stdout)
+    total = summary["bytes_sent"] + summary["bytes_skipped"]
+    assert total - arrived - (4 << 20) <= summary["bytes_sent"] <= total - arrived
+    assert "dies1" in mirror_snapshots(receiver)
+
+
+def test_a_worker_cut_off_from_the_source_is_one_line_naming_the_chunk_endpoint(
+        cluster, source, receiver, slow_link):
+    m = source
+    (m.mnt / "lone").mkdir()
+    for i in range(24):
+        (m.mnt / "lone" / f"f{i}").write_bytes(os.urandom(1 << 20))
+    m.snapctl("create", "lone1")
+    proc = subprocess.Popen(
+        [SNAPCTL, "-m", str(m.mnt), "replicate", "--to", receiver.url, "--token-file",
+         str(receiver.token_file), "--snapshot", "lone1", "--spark-master", cluster.url,
+         "--spark-threshold", "0", "--batch-size", "1M", "--stall-timeout", "10s"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env())
+    try:
+        wait_for("the first chunks to arrive",
+                 lambda: proc.poll() is not None or staged_count(receiver.store) > 0)
+        ip("link", "set", NET.w0, "down")          # the source's side of the worker's link
+        out, err = proc.communicate(timeout=300)
+    finally:
+        ip("link", "set", NET.w0, "up")
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and err.count("\n") == 1, err
+    assert "chunk endpoint" in err and NET.source_w in err, err
+    assert "lone1" not in mirror_snapshots(receiver)
+    wait_for("the worker to be back", lambda: cluster.alive_workers() == 1)
+    again = replicate(m, cluster, receiver, "lone1")
+    assert again.returncode == 0, again.stderr
+    assert "lone1" in mirror_snapshots(receiver)
