@@ -364,6 +364,27 @@ def mirror_snapshots(r: NsReceiver) -> list[str]:
         mirror.close()
 
 
+def replicating(m: Mount, cluster: Cluster, r: NsReceiver, name: str) -> subprocess.Popen:
+    """24 MiB in 1 MiB files under NAME, snapshot NAME1, and its replication under way in
+    1 MiB batches with a 10 s stall timeout: returned once the first chunks have arrived."""
+    (m.mnt / name).mkdir()
+    for i in range(24):
+        (m.mnt / name / f"f{i}").write_bytes(os.urandom(1 << 20))
+    m.snapctl("create", f"{name}1")
+    proc = subprocess.Popen(
+        [SNAPCTL, "-m", str(m.mnt), "replicate", "--to", r.url, "--token-file",
+         str(r.token_file), "--snapshot", f"{name}1", "--spark-master", cluster.url,
+         "--spark-threshold", "0", "--batch-size", "1M", "--stall-timeout", "10s"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env())
+    try:
+        wait_for("the first chunks to arrive",
+                 lambda: proc.poll() is not None or staged_count(r.store) > 0)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
 @pytest.fixture
 def slow_link():
     """The worker's link to the receiver at 40 Mbit/s, so that a transfer lasts seconds."""
@@ -378,18 +399,8 @@ def slow_link():
 def test_a_link_cut_mid_transfer_stalls_names_the_mirror_and_resumes(cluster, source, receiver,
                                                                      slow_link):
     m = source
-    (m.mnt / "cut").mkdir()
-    for i in range(24):
-        (m.mnt / "cut" / f"f{i}").write_bytes(os.urandom(1 << 20))
-    m.snapctl("create", "cut1")
-    proc = subprocess.Popen(
-        [SNAPCTL, "-m", str(m.mnt), "replicate", "--to", receiver.url, "--token-file",
-         str(receiver.token_file), "--snapshot", "cut1", "--spark-master", cluster.url,
-         "--spark-threshold", "0", "--batch-size", "1M", "--stall-timeout", "10s"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env())
+    proc = replicating(m, cluster, receiver, "cut")
     try:
-        wait_for("the first chunks to arrive",
-                 lambda: proc.poll() is not None or staged_count(receiver.store) > 0)
         ip("-n", NET.ns_receiver, "link", "set", NET.x1, "down")
         out, err = proc.communicate(timeout=300)
     finally:
@@ -443,18 +454,8 @@ def test_executors_without_python_are_one_clear_line(cluster, source, receiver):
 def test_a_worker_that_dies_mid_job_is_one_line_and_a_rerun_converges(cluster, source,
                                                                     receiver, slow_link):
     m = source
-    (m.mnt / "dies").mkdir()
-    for i in range(24):
-        (m.mnt / "dies" / f"f{i}").write_bytes(os.urandom(1 << 20))
-    m.snapctl("create", "dies1")
-    proc = subprocess.Popen(
-        [SNAPCTL, "-m", str(m.mnt), "replicate", "--to", receiver.url, "--token-file",
-         str(receiver.token_file), "--snapshot", "dies1", "--spark-master", cluster.url,
-         "--spark-threshold", "0", "--batch-size", "1M", "--stall-timeout", "10s"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env())
+    proc = replicating(m, cluster, receiver, "dies")
     try:
-        wait_for("the first chunks to arrive",
-                 lambda: proc.poll() is not None or staged_count(receiver.store) > 0)
         cluster.kill_worker_host()
         out, err = proc.communicate(timeout=300)
     finally:
@@ -478,18 +479,8 @@ def test_a_worker_that_dies_mid_job_is_one_line_and_a_rerun_converges(cluster, s
 def test_a_worker_cut_off_from_the_source_is_one_line_naming_the_chunk_endpoint(
         cluster, source, receiver, slow_link):
     m = source
-    (m.mnt / "lone").mkdir()
-    for i in range(24):
-        (m.mnt / "lone" / f"f{i}").write_bytes(os.urandom(1 << 20))
-    m.snapctl("create", "lone1")
-    proc = subprocess.Popen(
-        [SNAPCTL, "-m", str(m.mnt), "replicate", "--to", receiver.url, "--token-file",
-         str(receiver.token_file), "--snapshot", "lone1", "--spark-master", cluster.url,
-         "--spark-threshold", "0", "--batch-size", "1M", "--stall-timeout", "10s"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env())
+    proc = replicating(m, cluster, receiver, "lone")
     try:
-        wait_for("the first chunks to arrive",
-                 lambda: proc.poll() is not None or staged_count(receiver.store) > 0)
         ip("link", "set", NET.w0, "down")          # the source's side of the worker's link
         out, err = proc.communicate(timeout=300)
     finally:
