@@ -357,6 +357,11 @@ def _spark_message(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+class ClusterMismatch(Exception):
+    """An executor runs another pyspark than the driver: refused before it sends anything
+    (pickled tasks and results are only promised to work between equal versions)."""
+
+
 class _BatchSender:
     """The Spark task: read one batch (from the source store on this host, or from the
     source's chunk endpoint) and put it to the sink. A retried attempt first asks the
@@ -364,13 +369,21 @@ class _BatchSender:
     stored and which executor did it, for the per-executor figures."""
 
     def __init__(self, store_path: str | None, endpoint, sink, stall_seconds: float):
+        import pyspark
         self.store_path = store_path
         self.endpoint = endpoint
         self.sink = sink
         self.stall_seconds = stall_seconds
+        self.pyspark_version = pyspark.__version__
 
     def __call__(self, batch: list[tuple[str, int]]) -> dict:
+        import pyspark
         from pyspark import TaskContext
+        if pyspark.__version__ != self.pyspark_version:
+            raise ClusterMismatch(
+                f"executor {self._executor()} runs pyspark {pyspark.__version__} but this "
+                f"host runs {self.pyspark_version}: install pyspark=={self.pyspark_version} "
+                f"for the cluster's Python (PYSPARK_PYTHON), or the same version here")
         started = time.monotonic()
         digests = [bytes.fromhex(h) for h, _ in batch]
         context = TaskContext.get()

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -161,13 +162,15 @@ class Cluster:
         self.hidden, self.spark_env = hidden, env
         self.start_worker()
 
-    def start_worker(self) -> None:
+    def start_worker(self, home: Path | None = None) -> None:
+        """The worker, from pyspark's installation or from ``home`` (another SPARK_HOME)."""
+        home = home or self.home
         self.worker = subprocess.Popen(
-            in_namespace(NET.ns_worker, [str(self.home / "bin" / "spark-class"),
+            in_namespace(NET.ns_worker, [str(home / "bin" / "spark-class"),
                                      "org.apache.spark.deploy.worker.Worker",
                                      "--host", NET.worker_s, "--cores", "2", "--memory", "1g",
                                      "--work-dir", self.top / "work", self.url], self.hidden),
-            env=dict(self.spark_env, SPARK_LOCAL_IP=NET.worker_s),
+            env=dict(self.spark_env, SPARK_LOCAL_IP=NET.worker_s, SPARK_HOME=str(home)),
             stdout=open(self.top / "worker.log", "a"), stderr=subprocess.STDOUT)
         wait_for("the worker to register", lambda: self.alive_workers() == 1)
 
@@ -494,3 +497,45 @@ def test_a_worker_cut_off_from_the_source_is_one_line_naming_the_chunk_endpoint(
     again = replicate(m, cluster, receiver, "lone1")
     assert again.returncode == 0, again.stderr
     assert "lone1" in mirror_snapshots(receiver)
+
+
+def other_pyspark_home(real: Path, top: Path, version: str) -> Path:
+    """A SPARK_HOME whose executors' Python gets pyspark ``version``: the installation's
+    own files, but the pyspark.zip that Spark puts first on its Python workers' path is a
+    copy whose version module says ``version`` (what a cluster installed separately has)."""
+    home = top / f"spark-{version}"
+    (home / "python" / "lib").mkdir(parents=True)
+    for entry in real.iterdir():
+        if entry.name != "python":
+            (home / entry.name).symlink_to(entry)
+    lib = real / "python" / "lib"
+    for entry in lib.iterdir():
+        if entry.name != "pyspark.zip":
+            (home / "python" / "lib" / entry.name).symlink_to(entry)
+    with zipfile.ZipFile(lib / "pyspark.zip") as src, \
+            zipfile.ZipFile(home / "python" / "lib" / "pyspark.zip", "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename == "pyspark/version.py":
+                data = f'__version__: str = "{version}"\n'.encode()
+            dst.writestr(item, data)
+    return home
+
+
+def test_executors_with_another_pyspark_are_one_clear_line(cluster, source, receiver,
+                                                          tmp_path):
+    import pyspark
+    m = source
+    (m.mnt / "otherspark").write_bytes(os.urandom(300_000))
+    m.snapctl("create", "other1")
+    cluster.kill_worker_host()
+    cluster.start_worker(other_pyspark_home(cluster.home, tmp_path, "3.4.1"))
+    try:
+        res = replicate(m, cluster, receiver, "other1", "--stall-timeout", "60s")
+    finally:
+        cluster.kill_worker_host()
+        cluster.start_worker()
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert f"runs pyspark 3.4.1 but this host runs {pyspark.__version__}" in res.stderr
+    assert f"install pyspark=={pyspark.__version__}" in res.stderr, res.stderr
+    assert "other1" not in mirror_snapshots(receiver) and staged_count(receiver.store) == 0
