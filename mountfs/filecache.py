@@ -9,6 +9,7 @@ that two versions of one chunk can never commit out of order.
 
 from __future__ import annotations
 
+import os
 import time
 
 import blake3
@@ -16,7 +17,20 @@ import trio
 
 from .namespace import FsError
 
-DIRTY_LIMIT = 256 << 20         # bytes of dirty chunks before writers wait for flushes
+def _dirty_limit() -> int:
+    """Bytes of dirty chunks before writers wait for flushes: a tenth of the machine's
+    memory, at least 256 MiB and at most 4 GiB (the bound ZFS puts on its dirty data). A
+    random writer over a file that fits pays the 1 MiB read-modify-write of a chunk once,
+    not at every write."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(max(256 << 20, memory // 10), 4 << 30)
+
+
+DIRTY_LIMIT = _dirty_limit()
+# A dirty chunk older than this is committed even if its file stays open and is never
+# fsynced (Linux writes back dirty pages after 30 s too): what a crash of the mount can take
+# from an open file is bounded in time, not only in size.
+DIRTY_EXPIRE = float(os.environ.get("MOUNTFS_DIRTY_EXPIRE", "30"))
 HASH_THREADS = trio.CapacityLimiter(2)
 INLINE_HASH = 64 << 10          # hashing this much takes microseconds: less than a thread hop
 STEP_BYTES = 64 << 20           # chunk data committed in one step (one transaction) at most
@@ -27,11 +41,12 @@ def chunk_digest(data: bytes) -> bytes:
 
 
 class DirtyChunk:
-    __slots__ = ("data", "gen")
+    __slots__ = ("data", "gen", "since")
 
     def __init__(self, data: bytearray):
         self.data = data
         self.gen = 0
+        self.since = time.monotonic()
 
 
 class OpenFile:
@@ -158,6 +173,16 @@ class FileCache:
         return bytes(dc.data) if dc is not None else None
 
     # ---- flushing --------------------------------------------------------------------------
+
+    async def expirer(self) -> None:
+        """Commit, in the background, chunks dirty for longer than DIRTY_EXPIRE."""
+        while True:
+            await trio.sleep(min(5.0, DIRTY_EXPIRE))
+            now = time.monotonic()
+            for of in list(self.files.values()):
+                old = [idx for idx, dc in of.dirty.items() if now - dc.since >= DIRTY_EXPIRE]
+                if old:
+                    self._flush_later(of, old)
 
     def _flush_later(self, of: OpenFile, idxs: list[int]) -> None:
         if self.nursery is not None:
