@@ -41,12 +41,29 @@ def chunk_digest(data: bytes) -> bytes:
 
 
 class DirtyChunk:
-    __slots__ = ("data", "gen", "since")
+    """A chunk's buffered writes. ``ranges`` is None when ``data`` is the chunk's whole
+    content; otherwise the stored chunk has not been read yet and ``data`` holds only the
+    written [start, end) ranges (zeros elsewhere): a small write into a stored chunk costs
+    no read of the chunk until it is read back or committed (``FileCache._merge``)."""
+    __slots__ = ("data", "gen", "since", "ranges")
 
-    def __init__(self, data: bytearray):
+    def __init__(self, data: bytearray, ranges: list[list[int]] | None = None):
         self.data = data
         self.gen = 0
         self.since = time.monotonic()
+        self.ranges = ranges
+
+    def wrote(self, start: int, end: int) -> None:
+        """Note [start, end) as written (ranges kept sorted, merged when they touch)."""
+        if self.ranges is None:
+            return
+        kept = [r for r in self.ranges if r[1] < start or r[0] > end]
+        for r in self.ranges:
+            if not (r[1] < start or r[0] > end):
+                start, end = min(start, r[0]), max(end, r[1])
+        kept.append([start, end])
+        kept.sort()
+        self.ranges = kept
 
 
 class OpenFile:
@@ -138,14 +155,15 @@ class FileCache:
             if dc is None:
                 if within == 0 and take == cs:
                     dc = DirtyChunk(bytearray(view_data[pos:pos + take]))
-                else:
-                    dc = DirtyChunk(bytearray(self._stored_chunk(of, idx)))
+                else:           # nothing stored past the size: nothing to read back
+                    dc = DirtyChunk(bytearray(), None if idx * cs >= of.size else [])
                 of.dirty[idx] = dc
                 self.dirty_bytes += cs
             data = dc.data
             if len(data) < within:
                 data.extend(bytes(within - len(data)))
             data[within:within + take] = view_data[pos:pos + take]
+            dc.wrote(within, within + take)
             dc.gen += 1
             if within + take == cs:
                 full.append(idx)
@@ -170,7 +188,21 @@ class FileCache:
     def read(self, of: OpenFile, idx: int) -> bytes | None:
         """The buffered content of chunk ``idx``, if it is dirty."""
         dc = of.dirty.get(idx)
-        return bytes(dc.data) if dc is not None else None
+        if dc is None:
+            return None
+        if dc.ranges is not None:
+            self._merge(dc, self._stored_chunk(of, idx))
+        return bytes(dc.data)
+
+    @staticmethod
+    def _merge(dc: DirtyChunk, stored: bytes) -> None:
+        """Lay the written ranges over the stored chunk: ``dc.data`` becomes the content."""
+        base = bytearray(stored)
+        for start, end in dc.ranges:
+            if len(base) < start:
+                base.extend(bytes(start - len(base)))
+            base[start:end] = dc.data[start:end]
+        dc.data, dc.ranges = base, None
 
     # ---- flushing --------------------------------------------------------------------------
 
@@ -231,6 +263,11 @@ class FileCache:
                             whole: bool) -> None:
         """``whole``: the group holds every dirty chunk, so the step also commits the file's
         size and mtime (a close costs one commit, not two)."""
+        for idx, dc in group:
+            if dc.ranges is not None:
+                stored = await trio.to_thread.run_sync(self._stored_chunk, of, idx)
+                if dc.ranges is not None:           # not merged by a read meanwhile
+                    self._merge(dc, stored)
         copies = [(idx, dc, dc.gen, bytes(dc.data)) for idx, dc in group]
         size, mtime = of.size, of.mtime_ns
         datas = [data for _, _, _, data in copies]
