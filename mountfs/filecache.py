@@ -47,23 +47,36 @@ class DirtyChunk:
     no read of the chunk until it is read back or committed (``FileCache._merge``)."""
     __slots__ = ("data", "gen", "since", "ranges")
 
-    def __init__(self, data: bytearray, ranges: list[list[int]] | None = None):
+    def __init__(self, data: bytearray, ranges: list[tuple[int, int]] | None = None):
         self.data = data
         self.gen = 0
         self.since = time.monotonic()
         self.ranges = ranges
 
-    def wrote(self, start: int, end: int) -> None:
-        """Note [start, end) as written (ranges kept sorted, merged when they touch)."""
+    def complete(self, size: int) -> bool:
+        """Whether every byte of the chunk (``size`` bytes) is buffered: it can be committed
+        without reading anything back."""
         if self.ranges is None:
-            return
-        kept = [r for r in self.ranges if r[1] < start or r[0] > end]
-        for r in self.ranges:
-            if not (r[1] < start or r[0] > end):
-                start, end = min(start, r[0]), max(end, r[1])
-        kept.append([start, end])
-        kept.sort()
-        self.ranges = kept
+            return len(self.data) == size
+        self._normalise()
+        return self.ranges == [(0, size)]
+
+    def wrote(self, start: int, end: int) -> None:
+        """Note [start, end) as written: appended (a write costs O(1)), merged into sorted,
+        disjoint ranges when they are looked at or grow many."""
+        if self.ranges is not None:
+            self.ranges.append((start, end))
+            if len(self.ranges) > 1024:     # at most 1 MiB / 4 KiB distinct ones
+                self._normalise()
+
+    def _normalise(self) -> None:
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(self.ranges):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+            else:
+                merged.append((start, end))
+        self.ranges = merged
 
 
 class OpenFile:
@@ -165,7 +178,7 @@ class FileCache:
             data[within:within + take] = view_data[pos:pos + take]
             dc.wrote(within, within + take)
             dc.gen += 1
-            if within + take == cs:
+            if within + take == cs and dc.complete(cs):
                 full.append(idx)
             pos += take
         of.size = max(of.size, off + len(buf))
@@ -245,7 +258,7 @@ class FileCache:
         async with of.lock:
             if not final:
                 idxs = sorted(set(idxs) | {i for i, dc in of.dirty.items()
-                                           if len(dc.data) == cs})
+                                           if dc.complete(cs)})
             todo = [(idx, of.dirty[idx]) for idx in idxs if idx in of.dirty]
             per_step = max(1, STEP_BYTES // cs)
             for first in range(0, len(todo), per_step):

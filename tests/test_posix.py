@@ -8,6 +8,7 @@ import hashlib
 import os
 import random
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -138,6 +139,31 @@ def test_small_writes_over_stored_chunks_are_read_back_exactly(make_mount):
     m.umount()
     m.mount()
     assert (m.mnt / "f").read_bytes() == bytes(model)
+
+
+def test_file_capabilities_are_kept_and_dropped_by_a_write_like_a_local_disk(mounted,
+                                                                            tmp_path):
+    """The mount remembers which files have no security.capability (the kernel asks before
+    every write); a capability set later must still be seen, and a write must drop it as on
+    a local disk."""
+    cap = struct.pack("<IIIII", 0x02000000, 1 << 10, 0, 0, 0)    # cap_net_bind_service=p
+    seen = {}
+    for root in (tmp_path / "local", mounted.mnt):
+        root.mkdir(exist_ok=True)
+        f = root / "tool"
+        with open(f, "wb") as h:
+            h.write(b"one")                           # the mount learns "no capability"
+        os.setxattr(f, "security.capability", cap)
+        kept = os.getxattr(f, "security.capability")
+        with open(f, "ab") as h:
+            h.write(b"two")                           # a write drops the capability
+        try:
+            after = os.getxattr(f, "security.capability")
+        except OSError as e:
+            after = e.errno
+        seen[root] = (kept, after)
+    assert seen[mounted.mnt] == seen[tmp_path / "local"]
+    assert seen[mounted.mnt][0] == cap
 
 
 def test_open_with_o_trunc_and_o_excl(mounted):
