@@ -13,6 +13,8 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import blake3
 import httpx
@@ -227,6 +229,73 @@ def test_bucket_items_is_bounded(world):
     assert any(S.from_u64(i[1:9]) == src.f for i in items)
     assert functools.reduce(buckets.xor, items.values(), buckets.ZERO) == \
         m.bucket_hashes(None)[b]                      # the seeks found every item
+
+
+class BombingMirror(ThreadingHTTPServer):
+    """A hostile mirror for the client side: every POST is answered with ``reply``."""
+
+    def __init__(self, reply: bytes):
+        self.reply = reply
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(h):
+                h.rfile.read(int(h.headers.get("content-length", 0)))
+                h.send_response(200)
+                h.send_header("Content-Length", str(len(self.reply)))
+                h.end_headers()
+                h.wfile.write(self.reply)
+
+            def log_message(h, *args):
+                pass
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def bomb_of(size: int) -> bytes:
+    """A zstd frame whose header declares ``size`` bytes of zeros, made in 1 MiB steps."""
+    c = zstandard.ZstdCompressor(level=3).compressobj(size=size)
+    out = b"".join(c.compress(b"\0" * (1 << 20)) for _ in range(size >> 20))
+    return out + c.flush()
+
+
+@pytest.mark.parametrize("reply,refusal", [
+    (bomb_of(64 << 20), "decompresses to more than"),
+    (b"\0" * (17 << 20), "sent a response over"),
+    (compress_json({"0": {"zz": 5}}), "malformed bucket-items response"),
+    (compress_json([1, 2]), "malformed bucket-items response"),
+    (compress(b"[" * 100000), r"malformed response \(not JSON\)"),
+], ids=["zstd bomb", "raw body over the cap", "bad hex", "not an object", "deep nesting"])
+def test_a_hostile_mirror_cannot_exhaust_the_source(reply, refusal):
+    server = BombingMirror(reply)
+    m = HttpMirror(server.url, TOKEN, max_response=16 << 20)
+    try:
+        with pytest.raises(mirror.MirrorError, match=refusal) as e:
+            m.bucket_items(None, [0])
+        assert "\n" not in str(e.value)
+    finally:
+        m.close()
+        server.shutdown()
+
+
+def test_an_inode_counter_at_the_edge_neither_spins_nor_promotes(tmp_path):
+    """A mirror whose counter came from a hostile peer before commits were bounded: one
+    bucket-items request costs the records stored (was: a loop to the counter), and
+    promote refuses (its next file would take the .snapshot inode)."""
+    src = Source(tmp_path / "m")
+    with src.store.write() as txn:
+        txn.put(b"next_ino", S.u64((1 << 62) - 1), db=src.store.db["meta"])
+        txn.put(b"mirror_of", b"\1" * 16, db=src.store.db["meta"])
+    b = src.f % src.store.bucket_count
+    items = mirror.bucket_items(src.store, None, [b])[b]
+    assert any(S.from_u64(i[1:9]) == src.f for i in items)
+    assert functools.reduce(buckets.xor, items.values(), buckets.ZERO) == \
+        mirror.bucket_hashes(src.store, None)[b]
+    src.store.close()
+    res = subprocess.run([sys.executable, "-m", "mountfs.cli", "promote", str(tmp_path / "m")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "inode counter is beyond" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
 
 
 # ---- 4, 5: bodies and malformed requests ------------------------------------------------
