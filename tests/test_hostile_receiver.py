@@ -452,6 +452,21 @@ def test_a_token_file_others_can_read_is_refused(tmp_path):
     assert "Traceback" not in res.stderr and TOKEN not in res.stderr
 
 
+def test_mountfsd_check_warns_about_a_token_others_can_read(tmp_path):
+    from test_daemon import write_config
+    (tmp_path / "mnt").mkdir()
+    for name, mode in (("token", 0o644), ("admin-token", 0o600)):
+        (tmp_path / name).write_text(TOKEN)
+        (tmp_path / name).chmod(mode)
+    config = write_config(tmp_path / "c.toml", tmp_path / "mnt", tmp_path / "state",
+                          "https://backup:8765", tmp_path / "token")
+    res = subprocess.run([sys.executable, "-m", "daemon.cli", "--check", "--config",
+                          str(config)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert f"token_file {tmp_path / 'token'} is readable by group or others" in res.stderr
+    assert "admin_token_file" not in res.stderr
+
+
 def test_plain_http_on_a_network_address_warns(tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
