@@ -406,7 +406,8 @@ def forget_mirror(ctx, url):
               metavar="SECONDS", help="Drop staged chunks of a cycle that sent nothing for "
               "this long (abandoned).")
 @click.option("--body-timeout", type=float, default=300.0, show_default=True,
-              metavar="SECONDS", help="Time a client has to send one request body.")
+              metavar="SECONDS", help="Grace time to send a request body; after it a body "
+              "must have averaged 64 KiB/s, or it is cut off (408).")
 @click.option("--tls-cert", type=click.Path(dir_okay=False), help="Serve HTTPS with this "
               "certificate (PEM); needs --tls-key.")
 @click.option("--tls-key", type=click.Path(dir_okay=False), help="The certificate's key.")

@@ -11,6 +11,7 @@ import functools
 import json
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ import blake3
 import httpx
 import pytest
 import zstandard
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from mountfs import buckets, fsck
@@ -482,34 +483,60 @@ def test_plain_http_on_a_network_address_warns(tmp_path):
 # ---- random mutations of a valid commit -----------------------------------------------------
 
 def mutations():
-    field = st.sampled_from(["entries", "inodes", "xattrs", "chunks"])
+    """(kind, table, row, depth, number, blob): replace a leaf of the JSON, drop a row, or
+    set one field of an inode record (mostly to values that are plausible somewhere)."""
+    kind = st.sampled_from(["leaf", "drop", "field"])
+    table = st.sampled_from(["entries", "inodes", "xattrs", "chunks"])
     number = st.one_of(st.integers(-2, 2**65), st.sampled_from(
-        [0, 1, 2, 3, 4, 5, 6, (1 << 40) - 1, 1 << 40, (1 << 62) - 1, 1 << 62, 2**64 - 1]))
-    return st.tuples(field, st.integers(0, 50), st.integers(0, 8), number,
+        [0, 1, 2, 3, 4, 5, 6, 900, CHUNK, 2 * CHUNK + 1, stat.S_IFREG | 0o644,
+         stat.S_IFDIR | 0o755, stat.S_IFLNK | 0o777, stat.S_IFIFO | 0o600, 0o170777,
+         (1 << 40) - 1, 1 << 40, (1 << 62) - 1, 1 << 62, 2**64 - 1]))
+    return st.tuples(kind, table, st.integers(0, 50), st.integers(0, 8), number,
                      st.binary(max_size=8))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
+INODE_FIELDS = ("mode", "nlink", "size", "parent", "name", "target", "mepoch", "uid")
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
 @given(mutations())
 def test_random_mutations_are_refused_or_fsck_clean(world, mutation):
     src, r, m = world
-    field, which, depth, number, blob = mutation
+    kind, table, which, depth, number, blob = mutation
     cs = json.loads(json.dumps(src.cs.to_json()))
-    rows = cs[field]
+    rows = cs["inodes" if kind == "field" else table]
     if not rows:
         return
-    row = rows[which % len(rows)]
-    _mutate(row, depth, number, blob)
+    i = which % len(rows)
+    if kind == "drop":
+        del rows[i]
+    elif kind == "field":
+        _set_inode_field(rows[i], INODE_FIELDS[depth % len(INODE_FIELDS)], number, blob)
+    else:
+        _mutate(rows[i], depth, number, blob)
     before = dump(r)
     res = httpx.post(r.url + "/v1/commit", headers=AUTH, content=commit_body(src, m, cs),
                      timeout=60)
     assert res.status_code == 200 or 400 <= res.status_code < 500, res.text
+    event(f"{kind}: {'accepted' if res.status_code == 200 else 'refused'}")
     if res.status_code == 200:
         assert fsck_problems(r) == []
     else:
         assert dump(r) == before
+
+
+def _set_inode_field(row, name: str, number: int, blob: bytes) -> None:
+    """Set one field of the inode record in ``row`` ([ino, base64 record])."""
+    if row[1] is None:
+        return
+    rec = S.Inode.unpack(base64.b64decode(row[1]))
+    value = blob if name in ("name", "target") else number
+    try:
+        row[1] = base64.b64encode(rec.evolve(**{name: value}).pack()).decode()
+    except struct.error:
+        assume(False)                       # not representable in the record
 
 
 def _mutate(row, depth: int, number: int, blob: bytes) -> None:
