@@ -235,6 +235,7 @@ def apply(live: Live, cs: Changeset) -> None:
     away or change first (deletes and rename sources), then inodes that are gone, then new
     entries (creates and rename targets), then records, xattrs and chunks."""
     _validate(cs, live.chunk_size)
+    old_types = {x: stat.S_IFMT(r.mode) for x in cs.inodes if (r := live.inode(x)) is not None}
     parents, detached = set(), set()
     for (d, name), child in cs.entries.items():
         now = live.lookup(d, name)
@@ -267,7 +268,10 @@ def apply(live: Live, cs: Changeset) -> None:
     for x in sorted(parents | ((cs.xattrs.keys() | cs.chunks.keys()) - cs.inodes.keys())):
         if live.inode(x) is not None:
             live.touch(x)         # entry- or content-only changes raise the epochs too
-    _check_invariants(live, cs, parents | detached)
+    retyped = {x for x, t in old_types.items()
+               if (r := cs.inodes.get(x)) is not None and stat.S_IFMT(r.mode) != t}
+    _check_invariants(live, cs, parents | detached |
+                      {p for x in retyped for p, _ in live.links(x)})
 
 
 def _raise_next_ino(live: Live, cs: Changeset) -> None:
@@ -335,7 +339,7 @@ def _check_invariants(live: Live, cs: Changeset, around: set[int]) -> None:
         names = len(live.links(x))
         if x != S.ROOT_INO and not names:
             raise MirrorError(f"commit leaves inode {x} without a name")
-        problems = invariants.inode_problems(live, x, rec, names)
+        problems = invariants.inode_problems(live, x, rec, names, chunks=())
         if problems:
             raise MirrorError(f"commit refused: {problems[0]}")
 

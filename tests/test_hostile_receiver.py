@@ -169,6 +169,8 @@ def structural_cases(src: Source):
             inodes={new: file_rec.evolve(parent=src.f, name=b"x", nlink=1, size=0)}),
         "directory with children becomes a file": dict(inodes={src.d: rec[src.d].evolve(
             mode=stat.S_IFREG | 0o644, nlink=1)}),
+        "empty directory becomes a file (its parent's nlink)": dict(
+            inodes={src.sub: rec[src.sub].evolve(mode=stat.S_IFREG | 0o644, nlink=1)}),
         "chunks of an inode that does not exist": dict(chunks={5000: {0: digest_of(src)}}),
         "xattrs of an inode that does not exist": dict(xattrs={5000: {b"user.a": b"1"}}),
         "chunks in the virtual range": dict(chunks={1 << 62: {0: digest_of(src)}}),
