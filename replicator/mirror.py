@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import stat
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import blake3
@@ -235,7 +236,7 @@ def apply(live: Live, cs: Changeset) -> None:
     away or change first (deletes and rename sources), then inodes that are gone, then new
     entries (creates and rename targets), then records, xattrs and chunks."""
     _validate(cs, live.chunk_size)
-    old_types = {x: stat.S_IFMT(r.mode) for x in cs.inodes if (r := live.inode(x)) is not None}
+    subdirs = _Subdirs(live, cs)
     parents, detached = set(), set()
     for (d, name), child in cs.entries.items():
         now = live.lookup(d, name)
@@ -268,10 +269,60 @@ def apply(live: Live, cs: Changeset) -> None:
     for x in sorted(parents | ((cs.xattrs.keys() | cs.chunks.keys()) - cs.inodes.keys())):
         if live.inode(x) is not None:
             live.touch(x)         # entry- or content-only changes raise the epochs too
-    retyped = {x for x, t in old_types.items()
-               if (r := cs.inodes.get(x)) is not None and stat.S_IFMT(r.mode) != t}
-    _check_invariants(live, cs, parents | detached |
-                      {p for x in retyped for p, _ in live.links(x)})
+    subdirs.count_arrivals(live, cs)
+    _check_invariants(live, cs, parents | detached | subdirs.retyped_parents, subdirs)
+
+
+class _Subdirs:
+    """How many subdirectories each directory a commit touches holds afterwards, counted
+    from the change (O(change), not O(entries): a commit adding one name to a directory of
+    a million must not read the million). Before: nlink - 2, which the mirror's previous
+    commits were checked to keep; then minus the directories the changed names named, plus
+    those they name now, plus or minus children whose type changes under unchanged names."""
+
+    def __init__(self, live: Live, cs: Changeset):
+        self.before: dict[int, int] = {}
+        self.delta: Counter = Counter()
+        self.retyped_parents: set[int] = set()
+        for (d, name), child in cs.entries.items():
+            old = live.lookup(d, name)
+            self._note(live, d, old, child)
+            if old is not None and self._is_dir(live, old):
+                self.delta[d] -= 1
+        for x, rec in cs.inodes.items():
+            old = live.inode(x)
+            self._note(live, x)
+            if old is None or rec is None or stat.S_ISDIR(old.mode) == stat.S_ISDIR(rec.mode):
+                continue
+            for p, name in live.links(x):
+                if (p, name) not in cs.entries:
+                    self._note(live, p)
+                    self.delta[p] += 1 if stat.S_ISDIR(rec.mode) else -1
+                    self.retyped_parents.add(p)
+        for x in cs.xattrs.keys() | cs.chunks.keys():
+            self._note(live, x)
+
+    def _note(self, live: Live, *inos) -> None:
+        for x in inos:
+            if x is not None and x not in self.before:
+                rec = live.inode(x)
+                self.before[x] = rec.nlink - 2 if rec and stat.S_ISDIR(rec.mode) else 0
+
+    @staticmethod
+    def _is_dir(live: Live, x: int) -> bool:
+        rec = live.inode(x)
+        return rec is not None and stat.S_ISDIR(rec.mode)
+
+    def count_arrivals(self, live: Live, cs: Changeset) -> None:
+        """After the changes: the directories the changed names now name."""
+        for (d, _), child in cs.entries.items():
+            if child is not None and self._is_dir(live, child):
+                self.delta[d] += 1
+
+    def of(self, live: Live, d: int) -> int:
+        if d in self.before:
+            return self.before[d] + self.delta[d]
+        return invariants.subdir_count(live, d)
 
 
 def _raise_next_ino(live: Live, cs: Changeset) -> None:
@@ -321,7 +372,7 @@ def _check_ino(x: int) -> None:
                           f"1..{S.MAX_INO}")
 
 
-def _check_invariants(live: Live, cs: Changeset, around: set[int]) -> None:
+def _check_invariants(live: Live, cs: Changeset, around: set[int], subdirs: _Subdirs) -> None:
     """After the changes: every inode the commit touched, and every directory whose entries
     changed, obeys the tree rules fsck checks (mountfs.invariants); content for an inode
     that does not exist, or a name left pointing nowhere, is refused."""
@@ -339,7 +390,9 @@ def _check_invariants(live: Live, cs: Changeset, around: set[int]) -> None:
         names = len(live.links(x))
         if x != S.ROOT_INO and not names:
             raise MirrorError(f"commit leaves inode {x} without a name")
-        problems = invariants.inode_problems(live, x, rec, names, chunks=())
+        problems = invariants.inode_problems(
+            live, x, rec, names, subdirs.of(live, x) if stat.S_ISDIR(rec.mode) else None,
+            chunks=())
         if problems:
             raise MirrorError(f"commit refused: {problems[0]}")
 
