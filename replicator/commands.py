@@ -420,8 +420,10 @@ def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, 
                  verbose):
     """Receive replication into mirror STORE over HTTP(S) (created if missing).
 
-    Sources replicate with 'snapctl replicate --to http://HOST:PORT --token-file FILE'.
-    Every request must carry the token; the store stays locked while this runs."""
+    Sources replicate with 'snapctl replicate --to https://HOST:PORT --token-file FILE
+    --ca-file CERT'. Every request must carry a token; the replicate token can only add
+    snapshots (append-only), the admin token may also roll back and prune. Without
+    --tls-cert, listen on loopback only. The store stays locked while this runs."""
     import trio
 
     from mountfs.cli import setup_logging
