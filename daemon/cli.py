@@ -70,11 +70,15 @@ def check_paths(cfg: Config) -> None:
             raise ConfigError(f"{cfg.path}: filesystem {fs.name!r}: mountpoint "
                               f"{fs.mountpoint} does not exist or is not a directory")
         for m in fs.mirrors:
-            for key in ("token_file", "ca_file"):
+            for key in ("token_file", "admin_token_file", "ca_file"):
                 path = getattr(m, key)
                 if path is not None and not os.access(path, os.R_OK):
                     raise ConfigError(f"{cfg.path}: mirror {m.url}: {key} {path} does not "
                                       f"exist or cannot be read")
+                if key != "ca_file" and path is not None and os.stat(path).st_mode & 0o077:
+                    click.echo(f"warning: {cfg.path}: mirror {m.url}: {key} {path} is "
+                               f"readable by group or others; run 'chmod 600 {path}'",
+                               err=True)
 
 
 if __name__ == "__main__":

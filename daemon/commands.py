@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import click
 
-from mountfs.clitools import CONTEXT, DURATION, fail, mountpoint_option
+from mountfs.clitools import CONTEXT, DURATION, fail, mountpoint_option, target_options
 from mountfs.mount import find_mount
 from mountfs.store import StoreError
 
@@ -191,14 +191,30 @@ def _check(ctx, config_path, warning, critical) -> tuple[int, list[str]]:
 
 
 @click.command(context_settings=CONTEXT)
-@mountpoint_option
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+@target_options
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="The daemon's config, holding the retention policies.")
+@click.option("--retention", metavar="RULES",
+              help="With --store: the policy, in the config's words, e.g. 'daily = 7, "
+              "keep_last = 3'.")
+@click.option("--prefix", default="auto-", show_default=True,
+              help="With --store: names of the daemon's snapshots (others are kept unless "
+              "the policy says prune_user = true).")
 @click.option("--dry-run", is_flag=True, help="Only show what would go, and why the rest stays.")
 @click.pass_context
-def prune(ctx, config_path, dry_run):
+def prune(ctx, config_path, retention, prefix, dry_run):
     """Apply the local retention policy of the config: list every snapshot with the rule that
-    keeps it, and delete the others (never a mirror's base, never the newest)."""
+    keeps it, and delete the others (never a mirror's base, never the newest).
+
+    On a mirror's host, 'snapctl prune --store MIRROR_STORE --retention RULES' prunes the
+    mirror itself (stop serve-mirror first: it holds the store); an append-only mirror's
+    replicate token cannot delete snapshots, so this (or the admin token) is how a mirror
+    is pruned."""
+    if ctx.obj.get("store"):
+        return _prune_mirror_store(ctx.obj["store"], retention, prefix, dry_run)
+    if not config_path:
+        fail("pass --config FILE (the daemon's retention), or --store MIRROR_STORE "
+             "--retention RULES on a mirror's host", 2)
     from mountfs import control
     from .service import local_decisions
     try:
@@ -221,3 +237,38 @@ def prune(ctx, config_path, dry_run):
                     control.request(store, {"op": "delete", "name": d.name})
                 except StoreError as e:
                     fail(str(e))
+
+
+def _prune_mirror_store(path: str, rules: str | None, prefix: str, dry_run: bool) -> None:
+    """Retention applied on the mirror's host, to its store (never the newest snapshot,
+    the next cycle's base)."""
+    import tomllib
+    from mountfs import snapshots as snaps
+    from mountfs.store import Store
+    from replicator import mirror
+    from .retention import PolicyError, decide, parse_policy
+    if not rules:
+        fail("--store needs --retention RULES, e.g. --retention 'daily = 7, keep_last = 3'", 2)
+    try:
+        policy = parse_policy(tomllib.loads(f"r = {{ {rules} }}")["r"])
+    except (tomllib.TOMLDecodeError, PolicyError) as e:
+        fail(f"--retention {rules!r}: {e}", 2)
+    try:
+        store = Store.open(path, readonly=dry_run, lock=not dry_run, holder="snapctl prune")
+    except StoreError as e:
+        fail(f"{e} (on a mirror, stop serve-mirror while pruning)")
+    try:
+        with store.read() as txn:
+            held = snaps.list_all(txn, store.db)
+        for d in decide(policy, [(s.name, s.created_ns) for s in held], time.time_ns(),
+                        own=lambda n: n.startswith(prefix)):
+            if d.keep:
+                click.echo(f"keep  {d.name}: {', '.join(d.reasons)}")
+                continue
+            click.echo(f"prune {d.name}" + (" (dry run)" if dry_run else ""))
+            if not dry_run:
+                mirror.delete_snapshot(store, d.name)
+    except StoreError as e:
+        fail(str(e))
+    finally:
+        store.close()

@@ -53,6 +53,7 @@ class MirrorConfig:
     token_file: str | None = None
     ca_file: str | None = None
     retention: Policy | None = None
+    admin_token_file: str | None = None    # pruning an http(s) mirror needs its admin token
 
     @property
     def label(self) -> str:
@@ -162,12 +163,13 @@ class _Checker:
         return fs
 
     def mirror(self, raw: dict, where: str) -> MirrorConfig:
-        self.only(raw, where, {"url", "token_file", "ca_file", "retention"})
+        self.only(raw, where, {"url", "token_file", "ca_file", "retention", "admin_token_file"})
         url = self.string(raw, where, "url", required=True)
         if not re.match(r"^(file:///|https?://)", url):
             self.fail(where, "url", "expected file:///path or http(s)://host:port")
         return MirrorConfig(url, self.string(raw, where, "token_file", None),
-                            self.string(raw, where, "ca_file", None), self.policy(raw, where))
+                            self.string(raw, where, "ca_file", None), self.policy(raw, where),
+                            self.string(raw, where, "admin_token_file", None))
 
     # ---- typed values ----------------------------------------------------------------------
 

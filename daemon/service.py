@@ -158,18 +158,40 @@ class FilesystemLoop:
                                inline_bytes=self.fs.spark_threshold)
             mirror_uuid = endpoint.info()["uuid"]
             if mirror.retention is not None:
-                self._prune_mirror(endpoint, mirror)
+                self._prune_mirror(endpoint, mirror, chunk_size)
             return result, mirror_uuid
         finally:
             endpoint.close()
 
-    def _prune_mirror(self, endpoint, mirror: config_mod.MirrorConfig) -> None:
-        held = endpoint.info()["snapshots"]
-        for d in decide(mirror.retention, [(s["name"], s["created_ns"]) for s in held],
-                        time.time_ns(), own=self._own):
-            if not d.keep:
-                endpoint.delete_snapshot(d.name)
-                log.info("%s -> %s: pruned %s on the mirror", self.fs.name, mirror.url, d.name)
+    def _prune_mirror(self, endpoint, mirror: config_mod.MirrorConfig, chunk_size: int) -> None:
+        """Retention on the mirror. An http(s) mirror's replicate token cannot delete
+        (append-only): pruning there uses admin_token_file, or is left to the mirror host."""
+        admin = None
+        if mirror.url.startswith("http") and mirror.admin_token_file:
+            try:
+                with open(mirror.admin_token_file) as f:
+                    token = f.read().strip()
+            except OSError as e:
+                log.warning("%s -> %s: cannot read admin_token_file %s (%s); not pruned",
+                            self.fs.name, mirror.url, mirror.admin_token_file, e.strerror)
+                return
+            admin = open_mirror(mirror.url, chunk_size, token=token, ca_file=mirror.ca_file)
+        elif mirror.url.startswith("http"):
+            log.warning("%s -> %s: mirror retention needs admin_token_file (or 'snapctl "
+                        "prune --store' on the mirror host); not pruned", self.fs.name,
+                        mirror.url)
+            return
+        try:
+            held = endpoint.info()["snapshots"]
+            for d in decide(mirror.retention, [(s["name"], s["created_ns"]) for s in held],
+                            time.time_ns(), own=self._own):
+                if not d.keep:
+                    (admin or endpoint).delete_snapshot(d.name)
+                    log.info("%s -> %s: pruned %s on the mirror", self.fs.name, mirror.url,
+                             d.name)
+        finally:
+            if admin is not None:
+                admin.close()
 
     # ---- local retention and reporting -----------------------------------------------------
 

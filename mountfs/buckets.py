@@ -108,12 +108,22 @@ def compute(txn, dbs, epoch: int, count: int) -> list[bytes]:
 
 def items(txn, dbs, epoch: int, count: int, bucket: int, top_ino: int) -> dict[bytes, bytes]:
     """Every item of one bucket at ``epoch``: identity (kind + key) -> item hash. Visits the
-    inodes ``bucket``, ``bucket + K``, ... below ``top_ino`` (the inode counter)."""
+    inodes ``bucket``, ``bucket + K``, ... below ``top_ino`` (the inode counter) that have
+    records, by cursor seeks: the work is bounded by the records stored, not by the counter
+    (which a mirror takes from its peer)."""
     from .store import iter_visible
     out = {}
-    for ino in range(bucket or count, top_ino, count):
-        prefix = S.u64(ino)
-        for name, kind in KINDS.items():
-            for base, value in iter_visible(txn, dbs[name], prefix, epoch):
+    for name, kind in KINDS.items():
+        cur = txn.cursor(dbs[name])
+        ino = bucket or count
+        while ino < top_ino and cur.set_range(S.u64(ino)):
+            found = S.from_u64(bytes(cur.key())[:8])
+            if found >= top_ino:
+                break
+            if found % count != bucket % count:
+                ino = found + (bucket - found) % count
+                continue
+            for base, value in iter_visible(txn, dbs[name], S.u64(found), epoch):
                 out[kind + bytes(base)] = item_hash(kind, base, value)
+            ino = found + count
     return out

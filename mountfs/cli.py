@@ -106,6 +106,7 @@ def promote(store):
     """Make mirror STORE a writable source (after losing the original).
 
     Its snapshots stay; it can then be mounted read-write and replicated elsewhere."""
+    from . import schema as S
     from .store import Store
     try:
         st = Store.open(store, holder="promote")
@@ -115,6 +116,9 @@ def promote(store):
         if st.mirror_of is None:
             fail(f"{store} is not a mirror")
         with st.write() as txn:
+            if S.from_u64(txn.get(b"next_ino", db=st.db["meta"])) > S.MAX_INO + 1:
+                fail(f"{store}: its inode counter is beyond {S.MAX_INO} (a hostile or "
+                     f"corrupt mirror); run 'mountfs fsck {store}' and restore from it instead")
             txn.delete(b"mirror_of", db=st.db["meta"])
             txn.delete(b"rolled_back_to", db=st.db["meta"])
     finally:

@@ -1,5 +1,6 @@
 """``mountfs fsck``: check every invariant of a store, and every chunk's digest. It reports;
-it never repairs. Each check names the invariant it guards (see schema.py):
+it never repairs. Each check names the invariant it guards (see schema.py); the rules of
+one inode are mountfs.invariants, which a mirror's receiver enforces on every commit too:
 
 * tree shape at every retained epoch: every entry names an inode that exists, no directory is
   reachable twice, every live inode is reachable or a recorded orphan;
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from . import buckets
+from . import buckets, invariants
 from . import schema as S
 from .namespace import View
 from .snapshots import list_all, live_epoch
@@ -94,24 +95,9 @@ def _check_meta(txn, dbs, live: int, snaps, report: Report) -> None:
         report.problems.append("snapshot tables disagree (names vs epochs)")
 
 
-def _newest_epoch(txn, db, prefix: bytes, upto: int) -> int:
-    """The newest version epoch at or below ``upto`` among records under ``prefix``."""
-    best = 0
-    cur = txn.cursor(db)
-    if not cur.set_range(prefix):
-        return 0
-    for key in cur.iternext(values=False):
-        key = bytes(key)
-        if key[:len(prefix)] != prefix:
-            break
-        e = S.epoch_of_key(key)
-        if best < e <= upto:
-            best = e
-    return best
-
-
 def _check_tree(view: View, report: Report, where: str, live: bool) -> None:
     names = Counter()
+    subdirs = {}
     seen_dirs = set()
     reached = set()
     parents = Counter()
@@ -128,7 +114,7 @@ def _check_tree(view: View, report: Report, where: str, live: bool) -> None:
         seen_dirs.add(d)
         reached.add(d)
         drec = view.get(d)
-        subdirs = 0
+        subdirs[d] = 0
         for name, child in view.listdir(d):
             crec = view.inode(child)
             if crec is None:
@@ -142,43 +128,15 @@ def _check_tree(view: View, report: Report, where: str, live: bool) -> None:
                 report.problems.append(f"{where}: directory {d} has mepoch {drec.mepoch}, "
                                        f"older than its child {child} ({crec.mepoch})")
             if stat.S_ISDIR(crec.mode):
-                subdirs += 1
+                subdirs[d] += 1
                 todo.append(child)
-        if drec.nlink != 2 + subdirs:
-            report.problems.append(f"{where}: directory {d} has nlink {drec.nlink}, expected "
-                                   f"{2 + subdirs}")
     for ino in reached:
         rec = view.get(ino)
         report.inodes += 1
-        _check_inode(view, ino, rec, where, report)
-        if not stat.S_ISDIR(rec.mode) and rec.nlink != names[ino]:
-            report.problems.append(f"{where}: inode {ino} has nlink {rec.nlink} but "
-                                   f"{names[ino]} name(s)")
-        if ino != S.ROOT_INO and view.lookup(rec.parent, rec.name) != ino:
-            report.problems.append(f"{where}: inode {ino} records its location as "
-                                   f"{rec.parent}/{rec.name!r}, which does not name it")
+        report.problems += [f"{where}: {p}" for p in invariants.inode_problems(
+            view, ino, rec, names[ino], subdirs.get(ino, 0))]
     if live:
         _check_live_extras(view, reached, parents, report)
-
-
-def _check_inode(view: View, ino: int, rec: S.Inode, where: str, report: Report) -> None:
-    txn, dbs, epoch = view.txn, view.db, view.epoch
-    newest = max(_newest_epoch(txn, dbs["inodes"], S.inode_key(ino), epoch),
-                 _newest_epoch(txn, dbs["xattrs"], S.u64(ino), epoch),
-                 _newest_epoch(txn, dbs["chunks"], S.u64(ino), epoch))
-    if stat.S_ISDIR(rec.mode):
-        newest = max(newest, _newest_epoch(txn, dbs["dirents"], S.dirent_prefix(ino), epoch))
-    if rec.mepoch < newest:
-        report.problems.append(f"{where}: inode {ino} has mepoch {rec.mepoch} but changed in "
-                               f"epoch {newest}")
-    if stat.S_ISREG(rec.mode):
-        for idx in view.chunk_indices(ino):
-            digest, length = view.chunk(ino, idx)
-            if length > view.chunk_size or idx * view.chunk_size >= rec.size:
-                report.problems.append(f"{where}: inode {ino} chunk {idx} lies beyond its "
-                                       f"size {rec.size} or is too long ({length})")
-    elif stat.S_ISLNK(rec.mode) and not rec.target:
-        report.problems.append(f"{where}: symlink {ino} has no target")
 
 
 def _check_live_extras(view: View, reached: set, parents: Counter, report: Report) -> None:

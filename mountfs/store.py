@@ -249,7 +249,12 @@ def _take_lock(path: Path, holder: str) -> int:
             raise StoreError(f"{path} is in use ({who}); a store has only one writer at a "
                              f"time") from None
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()}{' ' + holder if holder else ''}\n".encode())
+    try:
+        os.write(fd, f"pid {os.getpid()}{' ' + holder if holder else ''}\n".encode())
+    except OSError as e:         # a full disk: the name is for messages, the flock is held
+        if e.errno != errno.ENOSPC:
+            os.close(fd)
+            raise
     return fd
 
 

@@ -14,7 +14,9 @@ FROM (a first, full copy) the whole tree at TO is the change.
 from __future__ import annotations
 
 import base64
+import binascii
 import stat
+import struct
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -58,26 +60,79 @@ class Changeset:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "Changeset":
-        cs = cls(report=Counter(d.get("report", {})))
-        for parent, name, child in d["entries"]:
-            cs.entries[(int(parent), _unb64(name))] = None if child is None else int(child)
-        for x, rec in d["inodes"]:
-            cs.inodes[int(x)] = S.Inode.unpack(_unb64(rec)) if rec else None
-        for x, xs in d["xattrs"]:
-            cs.xattrs[int(x)] = {_unb64(k): _unb64(v) for k, v in xs.items()}
-        for x, leaves in d["chunks"]:
-            cs.chunks[int(x)] = {int(i): (bytes.fromhex(h), int(n)) if h else None
-                                 for i, h, n in leaves}
+    def from_json(cls, d) -> "Changeset":
+        """Parse the wire form from a peer that is not trusted: every number an integer
+        0..2**64-1 (bools and floats refused), every field the type it should be; anything
+        else is a ValueError with one line that says which field (the receiver's 400)."""
+        _expect(isinstance(d, dict), "the changeset is not an object")
+        report = d.get("report", {})
+        _expect(isinstance(report, dict) and all(type(v) is int for v in report.values()),
+                "report is not an object of counts")
+        cs = cls(report=Counter(report))
+        for parent, name, child in _rows(d, "entries", 3):
+            cs.entries[(_u64(parent, "entries"), _unb64(name, "entries"))] = \
+                None if child is None else _u64(child, "entries")
+        for x, rec in _rows(d, "inodes", 2):
+            cs.inodes[_u64(x, "inodes")] = _inode(rec) if rec is not None else None
+        for x, xs in _rows(d, "xattrs", 2):
+            _expect(isinstance(xs, dict), "xattrs: a set of xattrs is not an object")
+            cs.xattrs[_u64(x, "xattrs")] = {_unb64(k, "xattrs"): _unb64(v, "xattrs")
+                                            for k, v in xs.items()}
+        for x, leaves in _rows(d, "chunks", 2):
+            _expect(isinstance(leaves, list), "chunks: a chunk map is not a list")
+            cs.chunks[_u64(x, "chunks")] = dict(_leaf_from_json(leaf) for leaf in leaves)
         return cs
+
+
+def _expect(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _rows(d: dict, key: str, width: int) -> list:
+    rows = d.get(key)
+    _expect(isinstance(rows, list), f"{key} is missing or not a list")
+    for row in rows:
+        _expect(isinstance(row, list) and len(row) == width,
+                f"{key}: a row is not a list of {width} values")
+    return rows
+
+
+def _u64(v, where: str) -> int:
+    _expect(type(v) is int and 0 <= v < 1 << 64, f"{where}: {v!r:.40} is not an integer "
+                                                  f"0..2**64-1")
+    return v
+
+
+def _inode(rec) -> S.Inode:
+    raw = _unb64(rec, "inodes")
+    try:
+        return S.Inode.unpack(raw)
+    except struct.error:
+        raise ValueError(f"inodes: a record of {len(raw)} bytes is not an inode") from None
+
+
+def _leaf_from_json(leaf) -> tuple[int, ChunkValue]:
+    _expect(isinstance(leaf, list) and len(leaf) == 3, "chunks: a leaf is not "
+                                                       "[index, digest, length]")
+    index, digest, length = leaf
+    if digest is None:
+        return _u64(index, "chunks"), None
+    _expect(isinstance(digest, str) and len(digest) == 2 * S.DIGEST_SIZE,
+            f"chunks: a digest is not {2 * S.DIGEST_SIZE} hex digits")
+    return _u64(index, "chunks"), (bytes.fromhex(digest), _u64(length, "chunks"))
 
 
 def _b64(b: bytes) -> str:
     return base64.b64encode(bytes(b)).decode()
 
 
-def _unb64(s: str) -> bytes:
-    return base64.b64decode(s.encode(), validate=True)
+def _unb64(s, where: str = "value") -> bytes:
+    _expect(isinstance(s, str), f"{where}: {s!r:.40} is not a base64 string")
+    try:
+        return base64.b64decode(s.encode("ascii"), validate=True)
+    except (ValueError, binascii.Error):
+        raise ValueError(f"{where}: {s[:40]!r} is not valid base64") from None
 
 
 # ---- building one from a source store ---------------------------------------------------------

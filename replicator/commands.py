@@ -8,6 +8,7 @@ machinery (Spark, httpx, the mirror code) is imported by the command that runs.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -27,10 +28,7 @@ INTERRUPTED = 130          # the shell's status for a command ended by Ctrl-C (1
 
 def _token(token_file: str | None) -> str | None:
     if token_file:
-        try:
-            return open(token_file).read().strip()
-        except OSError as e:
-            fail(f"cannot read token file {token_file}: {e.strerror}")
+        return read_token_file(token_file, strict=False)
     return os.environ.get("MOUNTFS_TOKEN")
 
 
@@ -391,7 +389,25 @@ def forget_mirror(ctx, url):
 @click.option("--listen", default="127.0.0.1:8765", show_default=True, metavar="HOST:PORT",
               help="Address to listen on.")
 @click.option("--token-file", required=True, type=click.Path(dir_okay=False),
-              help="File holding the bearer token clients must present.")
+              help="File holding the replicate token: it can only ADD snapshots (append-"
+              "only: no rollback, no snapshot deletion). Give it to the source.")
+@click.option("--admin-token-file", type=click.Path(dir_okay=False),
+              help="File holding the admin token, which may also roll back (replicate "
+              "--force) and prune snapshots. Keep it off the source, or leave it out and "
+              "prune on this host with 'snapctl prune --store'.")
+@click.option("--max-request", type=SIZE, default="1G", show_default=True,
+              help="Largest request body, compressed or not (413 beyond).")
+@click.option("--max-staged", type=SIZE, help="Most chunk bytes held staged but not "
+              "committed (default: no fixed cap; a first copy stages all its data before "
+              "its one commit).")
+@click.option("--keep-free", type=SIZE, default="2G", show_default=True,
+              help="Staging never leaves less than this free on the mirror's disk.")
+@click.option("--staging-expiry", type=float, default=86400.0, show_default=True,
+              metavar="SECONDS", help="Drop staged chunks of a cycle that sent nothing for "
+              "this long (abandoned).")
+@click.option("--body-timeout", type=float, default=300.0, show_default=True,
+              metavar="SECONDS", help="Grace time to send a request body; after it a body "
+              "must have averaged 64 KiB/s, or it is cut off (408).")
 @click.option("--tls-cert", type=click.Path(dir_okay=False), help="Serve HTTPS with this "
               "certificate (PEM); needs --tls-key.")
 @click.option("--tls-key", type=click.Path(dir_okay=False), help="The certificate's key.")
@@ -399,25 +415,34 @@ def forget_mirror(ctx, url):
               help="Chunk size if STORE does not exist yet (must match the source's).")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages (as 'mountfs -v').")
 @click.pass_context
-def serve_mirror(ctx, store, listen, token_file, tls_cert, tls_key, chunk_size, verbose):
+def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, max_staged,
+                 keep_free, staging_expiry, body_timeout, tls_cert, tls_key, chunk_size,
+                 verbose):
     """Receive replication into mirror STORE over HTTP(S) (created if missing).
 
-    Sources replicate with 'snapctl replicate --to http://HOST:PORT --token-file FILE'.
-    Every request must carry the token; the store stays locked while this runs."""
+    Sources replicate with 'snapctl replicate --to https://HOST:PORT --token-file FILE
+    --ca-file CERT'. Every request must carry a token; the replicate token can only add
+    snapshots (append-only), the admin token may also roll back and prune. Without
+    --tls-cert, listen on loopback only. The store stays locked while this runs."""
     import trio
 
     from mountfs.cli import setup_logging
     from mountfs.store import Store
-    from replicator.server import serve
+    from replicator.mirror import StagingLimits
+    from replicator.server import Limits, serve
     setup_logging(verbose or (ctx.obj or {}).get("verbose", False))
     if bool(tls_cert) != bool(tls_key):
         fail("--tls-cert and --tls-key go together")
-    try:
-        token = open(token_file).read().strip()
-    except OSError as e:
-        fail(f"cannot read token file {token_file}: {e.strerror}")
-    if len(token) < 16:
-        fail(f"the token in {token_file} is too short (16 characters at least)")
+    token = read_token_file(token_file)
+    admin_token = read_token_file(admin_token_file) if admin_token_file else None
+    if admin_token == token:
+        fail("the admin token must differ from the replicate token")
+    if not tls_cert and not _is_loopback(listen):
+        click.echo(f"WARNING: serving on {listen} without TLS: the token and every byte of "
+                   f"the mirror cross the network in clear; use --tls-cert/--tls-key",
+                   err=True)
+    limits = Limits(max_body=max_request, body_seconds=body_timeout,
+                    staging=StagingLimits(max_staged, staging_expiry, keep_free))
     try:
         if not os.path.exists(os.path.join(store, "data.mdb")):
             Store.mkfs(store, chunk_size)
@@ -427,8 +452,39 @@ def serve_mirror(ctx, store, listen, token_file, tls_cert, tls_key, chunk_size, 
     scheme = "https" if tls_cert else "http"
     click.echo(f"serving mirror {os.path.abspath(store)} on {scheme}://{listen}", err=True)
     try:
-        trio.run(serve, st, token, listen, tls_cert, tls_key)
+        trio.run(functools.partial(serve, st, token, listen, tls_cert, tls_key,
+                                   admin_token=admin_token, limits=limits))
     except KeyboardInterrupt:
         pass
     finally:
         st.close()
+
+
+def read_token_file(path: str, strict: bool = True) -> str:
+    """A token from a file only its owner should read: a token readable by group or others
+    is as good as published, so the receiver refuses such a file (``strict``) and a client
+    warns."""
+    try:
+        with open(path) as f:
+            if os.fstat(f.fileno()).st_mode & 0o077:
+                msg = f"token file {path} is readable by group or others; run 'chmod 600 {path}'"
+                if strict:
+                    fail(msg)
+                click.echo(f"warning: {msg}", err=True)
+            token = f.read().strip()
+    except OSError as e:
+        fail(f"cannot read token file {path}: {e.strerror}")
+    if strict and len(token) < 16:
+        fail(f"the token in {path} is too short (16 characters at least)")
+    return token
+
+
+def _is_loopback(listen: str) -> bool:
+    import ipaddress
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -14,20 +14,19 @@ directory cycles, and a mirror that changed since its base.
 from __future__ import annotations
 
 import stat
+import time
+from collections import Counter
 from dataclasses import dataclass
 
 import blake3
 
-from mountfs import buckets, gc
+from mountfs import buckets, gc, invariants
 from mountfs import schema as S
 from mountfs import snapshots as snaps
 from mountfs.namespace import FsError, Live, View, add_written, check_name
 from mountfs.store import Store, StoreError, delete_live, put_live
 
 from .changeset import Changeset
-
-MAX_INO = 1 << 62          # inode numbers at and above this are the mount's virtual ones
-
 
 class MirrorError(StoreError):
     """A replication request the mirror refuses (one clear line for the user)."""
@@ -42,25 +41,63 @@ class SnapshotRef:
 
 # ---- staging chunks -----------------------------------------------------------------------
 
-def stage(txn, dbs, chunks) -> tuple[int, int]:
+@dataclass(frozen=True)
+class StagingLimits:
+    """How much a token holder may leave staged but not committed. An initial copy stages
+    every chunk of the snapshot before its one commit, so the default is not a fixed cap
+    but the disk: staging always leaves ``keep_free`` bytes free. Staging that saw no new
+    batch for ``idle_seconds`` belongs to an abandoned cycle and is dropped."""
+
+    max_bytes: int | None = None
+    idle_seconds: float | None = 24 * 3600.0
+    keep_free: int = 2 << 30
+
+
+def stage(txn, dbs, chunks, limits: StagingLimits = StagingLimits(),
+          free_bytes: int | None = None) -> tuple[int, int]:
     """Store chunks received for a cycle: ``chunks`` is [(digest, data)]. Each digest is
     checked before anything is written. Returns (chunks stored, bytes stored); chunks the
-    mirror already has are skipped."""
-    stored = nbytes = 0
+    mirror already has are skipped. ``free_bytes``: the disk's free space now (None: not
+    checked). A batch over ``limits`` is refused whole."""
     for digest, data in chunks:
         digest = bytes(digest)
-        if blake3.blake3(data).digest() != digest:
+        if len(digest) != S.DIGEST_SIZE or blake3.blake3(data).digest() != digest:
             raise MirrorError(f"chunk {digest.hex()[:16]} does not match its digest "
                               f"(corrupted in transit?); nothing of this batch was stored")
-    for digest, data in chunks:
-        digest = bytes(digest)
-        if _present(txn, dbs, digest):
-            continue
+    held, last = _staged_account(txn, dbs)
+    if held and limits.idle_seconds is not None and time.time() - last > limits.idle_seconds:
+        _drop_staged(txn, dbs)
+        held = 0
+    new = {bytes(d): data for d, data in chunks if not _present(txn, dbs, bytes(d))}
+    nbytes = sum(len(data) for data in new.values())
+    _check_room(held, nbytes, limits, free_bytes)
+    for digest, data in new.items():
         txn.put(digest, data, db=dbs["blobs"])
         txn.put(digest, b"", db=dbs["staged"])
-        stored += 1
-        nbytes += len(data)
-    return stored, nbytes
+    if new:
+        txn.put(b"staged_bytes", S.u64(held + nbytes) + S.u64(int(time.time())),
+                db=dbs["meta"])
+    return len(new), nbytes
+
+
+def _check_room(held: int, adding: int, limits: StagingLimits, free_bytes: int | None):
+    if limits.max_bytes is not None and held + adding > limits.max_bytes:
+        raise MirrorError(f"the mirror holds {held} bytes staged but not committed, its "
+                          f"limit is {limits.max_bytes}; commit (or let the abandoned "
+                          f"staging expire) before sending more")
+    if free_bytes is not None and free_bytes - adding < limits.keep_free:
+        raise MirrorError(f"staging {adding} more bytes would leave less than "
+                          f"{limits.keep_free} bytes free on the mirror's disk "
+                          f"({free_bytes} free, {held} of them staged); free space there")
+
+
+def _staged_account(txn, dbs) -> tuple[int, float]:
+    """(bytes staged and not committed, when the last batch was staged) from meta."""
+    raw = txn.get(b"staged_bytes", db=dbs["meta"])
+    if raw is None:
+        return 0, 0.0
+    raw = bytes(raw)
+    return S.from_u64(raw[:8]), float(S.from_u64(raw[8:]))
 
 
 def _present(txn, dbs, digest: bytes) -> bool:
@@ -180,6 +217,7 @@ def _drop_staged(txn, dbs) -> None:
         if txn.get(digest, db=dbs["refs"]) is None:
             txn.delete(digest, db=dbs["blobs"])
         txn.delete(digest, db=dbs["staged"])
+    txn.delete(b"staged_bytes", db=dbs["meta"])
 
 
 def purge_deleted(store: Store) -> None:
@@ -197,13 +235,15 @@ def apply(live: Live, cs: Changeset) -> None:
     """Make the live tree hold every TO value of ``cs``. In DistCp's order: entries that go
     away or change first (deletes and rename sources), then inodes that are gone, then new
     entries (creates and rename targets), then records, xattrs and chunks."""
-    _validate(cs)
-    parents = set()
+    _validate(cs, live.chunk_size)
+    subdirs = _Subdirs(live, cs)
+    parents, detached = set(), set()
     for (d, name), child in cs.entries.items():
         now = live.lookup(d, name)
         if now is not None and now != child:
             live.delete_dirent(d, name)
             parents.add(d)
+            detached.add(now)
     for x, rec in cs.inodes.items():
         if rec is None and live.inode(x) is not None:
             _drop(live, x, cs)
@@ -226,6 +266,63 @@ def apply(live: Live, cs: Changeset) -> None:
     _raise_next_ino(live, cs)
     for x in sorted(parents | {x for x, r in cs.inodes.items() if r is not None}):
         live.propagate(x)
+    for x in sorted(parents | ((cs.xattrs.keys() | cs.chunks.keys()) - cs.inodes.keys())):
+        if live.inode(x) is not None:
+            live.touch(x)         # entry- or content-only changes raise the epochs too
+    subdirs.count_arrivals(live, cs)
+    _check_invariants(live, cs, parents | detached | subdirs.retyped_parents, subdirs)
+
+
+class _Subdirs:
+    """How many subdirectories each directory a commit touches holds afterwards, counted
+    from the change (O(change), not O(entries): a commit adding one name to a directory of
+    a million must not read the million). Before: nlink - 2, which the mirror's previous
+    commits were checked to keep; then minus the directories the changed names named, plus
+    those they name now, plus or minus children whose type changes under unchanged names."""
+
+    def __init__(self, live: Live, cs: Changeset):
+        self.before: dict[int, int] = {}
+        self.delta: Counter = Counter()
+        self.retyped_parents: set[int] = set()
+        for (d, name), child in cs.entries.items():
+            old = live.lookup(d, name)
+            self._note(live, d, old, child)
+            if old is not None and self._is_dir(live, old):
+                self.delta[d] -= 1
+        for x, rec in cs.inodes.items():
+            old = live.inode(x)
+            self._note(live, x)
+            if old is None or rec is None or stat.S_ISDIR(old.mode) == stat.S_ISDIR(rec.mode):
+                continue
+            for p, name in live.links(x):
+                if (p, name) not in cs.entries:
+                    self._note(live, p)
+                    self.delta[p] += 1 if stat.S_ISDIR(rec.mode) else -1
+                    self.retyped_parents.add(p)
+        for x in cs.xattrs.keys() | cs.chunks.keys():
+            self._note(live, x)
+
+    def _note(self, live: Live, *inos) -> None:
+        for x in inos:
+            if x is not None and x not in self.before:
+                rec = live.inode(x)
+                self.before[x] = rec.nlink - 2 if rec and stat.S_ISDIR(rec.mode) else 0
+
+    @staticmethod
+    def _is_dir(live: Live, x: int) -> bool:
+        rec = live.inode(x)
+        return rec is not None and stat.S_ISDIR(rec.mode)
+
+    def count_arrivals(self, live: Live, cs: Changeset) -> None:
+        """After the changes: the directories the changed names now name."""
+        for (d, _), child in cs.entries.items():
+            if child is not None and self._is_dir(live, child):
+                self.delta[d] += 1
+
+    def of(self, live: Live, d: int) -> int:
+        if d in self.before:
+            return self.before[d] + self.delta[d]
+        return invariants.subdir_count(live, d)
 
 
 def _raise_next_ino(live: Live, cs: Changeset) -> None:
@@ -236,7 +333,9 @@ def _raise_next_ino(live: Live, cs: Changeset) -> None:
         live.txn.put(b"next_ino", S.u64(top), db=meta)
 
 
-def _validate(cs: Changeset) -> None:
+def _validate(cs: Changeset, chunk_size: int) -> None:
+    """What can be refused before anything is written: numbers out of range, bad names,
+    over-long chunks, content for inodes that do not exist."""
     for (d, name), child in cs.entries.items():
         _check_ino(d)
         if child is not None:
@@ -250,11 +349,52 @@ def _validate(cs: Changeset) -> None:
         _check_ino(x)
     if cs.inodes.get(S.ROOT_INO, 0) is None:
         raise MirrorError("commit would delete the root directory")
+    for x, xattrs in cs.xattrs.items():
+        _check_ino(x)
+        for name in xattrs:
+            if not invariants.xattr_name_ok(name):
+                raise MirrorError(f"commit sets an xattr with an invalid name {name!r} on "
+                                  f"inode {x}")
+    for x, leaves in cs.chunks.items():
+        _check_ino(x)
+        for index, value in leaves.items():
+            if not 0 <= index <= invariants.MAX_CHUNK_INDEX:
+                raise MirrorError(f"commit names chunk {index} of inode {x}, outside the "
+                                  f"valid range")
+            if value is not None and not 0 < value[1] <= chunk_size:
+                raise MirrorError(f"commit names a chunk of {value[1]} bytes; this mirror's "
+                                  f"chunks hold {chunk_size} at most")
 
 
 def _check_ino(x: int) -> None:
-    if not 1 <= x < MAX_INO:
-        raise MirrorError(f"commit names inode {x}, outside the valid range")
+    if not invariants.ino_in_range(x):
+        raise MirrorError(f"commit names inode {x}, outside the valid range "
+                          f"1..{S.MAX_INO}")
+
+
+def _check_invariants(live: Live, cs: Changeset, around: set[int], subdirs: _Subdirs) -> None:
+    """After the changes: every inode the commit touched, and every directory whose entries
+    changed, obeys the tree rules fsck checks (mountfs.invariants); content for an inode
+    that does not exist, or a name left pointing nowhere, is refused."""
+    touched = set(cs.inodes) | set(cs.xattrs) | set(cs.chunks) | around | \
+        {c for c in cs.entries.values() if c is not None}
+    for x in sorted(touched):
+        rec = live.inode(x)
+        if rec is None:
+            if cs.xattrs.get(x) or any(v is not None for v in cs.chunks.get(x, {}).values()):
+                raise MirrorError(f"commit sets content of inode {x}, which does not exist")
+            if live.links(x):
+                raise MirrorError(f"commit deletes inode {x} but leaves a name pointing to "
+                                  f"it")
+            continue
+        names = len(live.links(x))
+        if x != S.ROOT_INO and not names:
+            raise MirrorError(f"commit leaves inode {x} without a name")
+        problems = invariants.inode_problems(
+            live, x, rec, names, subdirs.of(live, x) if stat.S_ISDIR(rec.mode) else None,
+            chunks=())
+        if problems:
+            raise MirrorError(f"commit refused: {problems[0]}")
 
 
 def _drop(live: Live, x: int, cs: Changeset) -> None:
@@ -316,13 +456,14 @@ def _adopt(live: Live, digest: bytes, length: int) -> None:
 def _check_tree(live: Live, cs: Changeset, arrived_dirs: list[int]) -> None:
     """After the changes: every new entry names an inode that exists, and every directory
     that arrived somewhere still hangs from the root (no cycle, nothing detached)."""
-    for (_, name), child in cs.entries.items():
+    for (d, name), child in cs.entries.items():
         if child is not None and live.inode(child) is None:
             raise MirrorError(f"commit links {name!r} to inode {child}, which it does not "
                               f"carry")
-    for x, rec in cs.inodes.items():
-        if rec is not None and x != S.ROOT_INO and not live.links(x):
-            raise MirrorError(f"commit leaves inode {x} without a name")
+        parent = live.inode(d)
+        if child is not None and (parent is None or not stat.S_ISDIR(parent.mode)):
+            raise MirrorError(f"commit puts {name!r} under inode {d}, which is not a "
+                              f"directory")
     for ino in arrived_dirs:
         if not stat.S_ISDIR(live.get(ino).mode):
             continue

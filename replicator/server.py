@@ -1,9 +1,13 @@
 """``mountfs serve-mirror``: the receiver that owns a mirror store on a remote host.
 
 An ASGI application (Starlette) served by hypercorn on trio. Every request must carry
-``Authorization: Bearer TOKEN``; anything else gets 401 and changes nothing. The store is
+``Authorization: Bearer TOKEN``; anything else gets 401 and changes nothing. Two tokens, two
+rights: the replicate token adds snapshots and nothing else (append-only: no rollback, no
+snapshot deletion), the admin token (optional) may also roll back and prune. The store is
 touched only in worker threads (LMDB transactions are bound to their thread), one writer at
-a time; the event loop only moves bytes.
+a time; the event loop only moves bytes. Every body is bounded (413 beyond the limit, on the
+wire and decompressed, streamed with a hard cap) and parsed in a worker thread; every
+malformed request gets one 4xx with a one-line reason and one log line.
 
 API (version 1; bodies are zstd-compressed):
   GET  /v1/info                 mirror identity, chunk size, snapshots (JSON)
@@ -25,9 +29,11 @@ from __future__ import annotations
 
 import functools
 import hmac
+import io
 import json
 import logging
 import struct
+from dataclasses import dataclass
 
 import trio
 import zstandard
@@ -44,7 +50,12 @@ from .changeset import Changeset
 log = logging.getLogger(__name__)
 
 FRAME = struct.Struct(">32sI")
-MAX_BODY = 1 << 30
+MIN_RATE = 64 << 10           # bytes/s a body must average once its grace time is over
+MAX_BODY = 1 << 30            # bytes, on the wire and decompressed, per request or response
+
+
+class TooLarge(mirror.MirrorError):
+    """A body beyond the limit (413): refused before it is held in full."""
 
 
 def pack_frames(chunks) -> bytes:
@@ -53,8 +64,8 @@ def pack_frames(chunks) -> bytes:
                              for d, data in chunks))
 
 
-def unpack_frames(body: bytes) -> list[tuple[bytes, bytes]]:
-    raw = decompress(body)
+def unpack_frames(body: bytes, limit: int = MAX_BODY) -> list[tuple[bytes, bytes]]:
+    raw = decompress(body, limit)
     out, pos = [], 0
     while pos < len(raw):
         if pos + FRAME.size > len(raw):
@@ -68,11 +79,27 @@ def unpack_frames(body: bytes) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def decompress(body: bytes) -> bytes:
+def decompress(body: bytes, limit: int = MAX_BODY) -> bytes:
+    """Stream-decompress with a hard cap on the output: the size a frame header declares is
+    not believed (python-zstandard's ``max_output_size`` is ignored when it is present)."""
+    out = bytearray()
     try:
-        return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY)
+        for piece in zstandard.ZstdDecompressor().read_to_iter(io.BytesIO(body),
+                                                               write_size=1 << 20):
+            out += piece
+            if len(out) > limit:
+                raise TooLarge(f"body decompresses to more than {limit} bytes")
     except zstandard.ZstdError as e:
-        raise mirror.MirrorError(f"request body is not valid zstd: {e}") from None
+        raise mirror.MirrorError(f"body is not valid zstd: {e}") from None
+    return bytes(out)
+
+
+def loads(raw: bytes):
+    """JSON from a peer: a nesting too deep for the parser is a malformed body, not a crash."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def compress(raw: bytes) -> bytes:
@@ -83,18 +110,80 @@ def compress_json(obj) -> bytes:
     return compress(json.dumps(obj).encode())
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one token holder may make the receiver hold or wait for."""
+
+    max_body: int = MAX_BODY              # bytes per request, on the wire and decompressed
+    body_seconds: float = 300.0           # to receive one request body in full
+    staging: mirror.StagingLimits = mirror.StagingLimits()
+
+
 class Receiver:
     """The mirror store and the rules for touching it from the event loop."""
 
-    def __init__(self, store: Store, token: str):
+    def __init__(self, store: Store, token: str, admin_token: str | None = None,
+                 limits: Limits = Limits()):
         self.store = store
         self.token = token.encode()
+        self.admin_token = admin_token.encode() if admin_token else None
+        self.limits = limits
         self.write_lock = trio.Lock()
 
-    def authorized(self, request: Request) -> bool:
+    def rights(self, request: Request) -> str | None:
+        """'admin', 'replicate', or None for a missing or wrong token (constant time)."""
         header = request.headers.get("authorization", "")
         given = header.removeprefix("Bearer ").encode() if header.startswith("Bearer ") else b""
-        return bool(given) and hmac.compare_digest(given, self.token)
+        if not given:
+            return None
+        admin = self.admin_token is not None and hmac.compare_digest(given, self.admin_token)
+        replicate = hmac.compare_digest(given, self.token)
+        return "admin" if admin else "replicate" if replicate else None
+
+    async def body(self, request: Request) -> bytes:
+        """The raw body, refused (413) beyond the limit before it is held, and (408) when it
+        arrives too slowly: a client has ``body_seconds`` plus one second per MIN_RATE bytes
+        it has sent, so a big body on a slow link gets through and a trickle does not."""
+        limit = self.limits.max_body
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise TooLarge(f"body of {declared} bytes is over the limit of {limit}")
+        out = bytearray()
+        start = trio.current_time()
+        pieces = request.stream().__aiter__()
+        while True:
+            with trio.move_on_at(start + self.limits.body_seconds + len(out) / MIN_RATE):
+                try:
+                    out += await pieces.__anext__()
+                except StopAsyncIteration:
+                    return bytes(out)
+                if len(out) > limit:
+                    raise TooLarge(f"body is over the limit of {limit} bytes")
+                continue
+            raise SlowBody(f"body arrived slower than {MIN_RATE} bytes/s after the first "
+                           f"{self.limits.body_seconds:g} s")
+
+    async def raw(self, request: Request) -> bytes:
+        """The decompressed body (in a worker thread: a big body never stalls the loop)."""
+        body = await self.body(request)
+        return await trio.to_thread.run_sync(decompress, body, self.limits.max_body)
+
+    async def json(self, request: Request) -> dict:
+        body = await self.body(request)
+        req = await trio.to_thread.run_sync(
+            lambda: loads(decompress(body, self.limits.max_body)))
+        if not isinstance(req, dict):
+            raise ValueError("the body is not a JSON object")
+        return req
+
+    async def frames(self, request: Request) -> list[tuple[bytes, bytes]]:
+        body = await self.body(request)
+        frames = await trio.to_thread.run_sync(unpack_frames, body, self.limits.max_body)
+        for digest, data in frames:
+            if len(data) > self.store.chunk_size:
+                raise TooLarge(f"a chunk of {len(data)} bytes is over this mirror's chunk "
+                               f"size ({self.store.chunk_size})")
+        return frames
 
     async def read(self, fn, *args):
         return await trio.to_thread.run_sync(functools.partial(fn, *args))
@@ -115,7 +204,7 @@ class Receiver:
         return JSONResponse(await self.read(mirror.info, self.store))
 
     async def missing(self, request: Request):
-        raw = decompress(await request.body())
+        raw = await self.raw(request)
         if len(raw) % 32:
             raise mirror.MirrorError("digest list is not a multiple of 32 bytes")
         digests = [raw[i:i + 32] for i in range(0, len(raw), 32)]
@@ -126,17 +215,17 @@ class Receiver:
         return Response(b"".join(await self.read(lookup)), media_type="application/octet-stream")
 
     async def chunks(self, request: Request):
-        frames = unpack_frames(await request.body())
-        stored, nbytes = await self.write(mirror.stage, frames)
+        frames = await self.frames(request)
+        free = await trio.to_thread.run_sync(lambda: self.store.disk_usage()[1])
+        stored, nbytes = await self.write(mirror.stage, frames, self.limits.staging, free)
         return JSONResponse({"stored": stored, "bytes": nbytes})
 
     async def commit(self, request: Request):
-        req = json.loads(decompress(await request.body()))
-        snap = mirror.SnapshotRef(**req["snapshot"])
-        cs = Changeset.from_json(req["changeset"])
-        await self.write(mirror.commit, self.store.chunk_size,
-                         bytes.fromhex(req["source_uuid"]), req["base_uuid"], snap, cs,
-                         bool(req.get("reconcile")))
+        req = await self.json(request)
+        snap = _snapshot_ref(req.get("snapshot"))
+        cs = await trio.to_thread.run_sync(Changeset.from_json, req["changeset"])
+        await self.write(mirror.commit, self.store.chunk_size, _uuid(req, "source_uuid"),
+                         _uuid_hex(req, "base_uuid"), snap, cs, bool(req.get("reconcile")))
         async with self.write_lock:
             await trio.to_thread.run_sync(mirror.purge_deleted, self.store)
         log.info("committed snapshot %s (%d names and %d inodes changed)", snap.name,
@@ -144,21 +233,27 @@ class Receiver:
         return JSONResponse({"ok": True})
 
     async def rollback(self, request: Request):
-        req = json.loads(decompress(await request.body()))
-        await self.write(mirror.rollback_to, self.store.chunk_size, req["base_uuid"])
+        req = await self.json(request)
+        await self.write(mirror.rollback_to, self.store.chunk_size,
+                         _uuid_hex(req, "base_uuid", nullable=False))
         return JSONResponse({"ok": True})
 
-
     async def buckets(self, request: Request):
-        req = json.loads(decompress(await request.body()))
-        hashes = await self.read(mirror.bucket_hashes, self.store, req["snapshot"],
+        req = await self.json(request)
+        hashes = await self.read(mirror.bucket_hashes, self.store, _uuid_hex(req, "snapshot"),
                                  bool(req.get("recompute")))
         return Response(b"".join(hashes), media_type="application/octet-stream")
 
     async def bucket_items(self, request: Request):
-        req = json.loads(decompress(await request.body()))
-        items = await self.read(mirror.bucket_items, self.store, req["snapshot"],
-                                [int(b) for b in req["buckets"]])
+        req = await self.json(request)
+        wanted = req["buckets"]
+        count = self.store.bucket_count
+        if not isinstance(wanted, list) or len(wanted) > count or not all(
+                type(b) is int and 0 <= b < count for b in wanted):
+            raise ValueError(f"buckets must be a list of at most {count} numbers "
+                             f"0..{count - 1}")
+        items = await self.read(mirror.bucket_items, self.store, _uuid_hex(req, "snapshot"),
+                                sorted(set(wanted)))
         body = {str(b): {ident.hex(): h.hex() for ident, h in its.items()}
                 for b, its in items.items()}
         return Response(compress_json(body), media_type="application/zstd")
@@ -168,47 +263,108 @@ class Receiver:
         return JSONResponse({k: [d.hex() for d in v] for k, v in found.items()})
 
     async def replace_chunks(self, request: Request):
-        frames = unpack_frames(await request.body())
+        frames = await self.frames(request)
         return JSONResponse({"replaced": await self.write(mirror.replace_chunks, frames)})
 
     async def repair(self, request: Request):
-        req = json.loads(decompress(await request.body()))
-        await self.write(mirror.repair, self.store.chunk_size, req["base_uuid"],
-                         Changeset.from_json(req["changeset"]))
+        req = await self.json(request)
+        cs = await trio.to_thread.run_sync(Changeset.from_json, req["changeset"])
+        await self.write(mirror.repair, self.store.chunk_size,
+                         _uuid_hex(req, "base_uuid", nullable=False), cs)
         async with self.write_lock:
             await trio.to_thread.run_sync(mirror.purge_deleted, self.store)
         return JSONResponse({"ok": True})
 
-
     async def delete_snapshot(self, request: Request):
-        req = json.loads(decompress(await request.body()))
+        req = await self.json(request)
         async with self.write_lock:
-            await trio.to_thread.run_sync(mirror.delete_snapshot, self.store, req["name"])
+            await trio.to_thread.run_sync(mirror.delete_snapshot, self.store,
+                                          _string(req, "name"))
         return JSONResponse({"ok": True})
 
     async def export(self, request: Request):
-        req = json.loads(decompress(await request.body()))
-        entries = await self.read(mirror.export, self.store, req["snapshot"], req["path"])
+        req = await self.json(request)
+        entries = await self.read(mirror.export, self.store, _string(req, "snapshot"),
+                                  _string(req, "path"))
         return Response(compress_json(entries), media_type="application/zstd")
 
     async def read_chunks(self, request: Request):
-        raw = decompress(await request.body())
+        raw = await self.raw(request)
+        if len(raw) % 32:
+            raise mirror.MirrorError("digest list is not a multiple of 32 bytes")
         digests = [raw[i:i + 32] for i in range(0, len(raw), 32)]
         chunks = await self.read(mirror.read_chunks, self.store, digests)
         return Response(pack_frames(chunks), media_type="application/zstd")
 
 
+class SlowBody(mirror.MirrorError):
+    """A body that did not arrive in time (408)."""
+
+
+def _string(req: dict, key: str) -> str:
+    value = req[key]
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be a string")
+    return value
+
+
+def _uuid_hex(req: dict, key: str, nullable: bool = True) -> str | None:
+    value = req.get(key)
+    if value is None and nullable:
+        return None
+    if not isinstance(value, str) or len(value) != 32:
+        raise ValueError(f"{key} must be a uuid of 32 hex digits")
+    bytes.fromhex(value)
+    return value.lower()
+
+
+def _uuid(req: dict, key: str) -> bytes:
+    return bytes.fromhex(_uuid_hex(req, key, nullable=False))
+
+
+def _snapshot_ref(raw) -> mirror.SnapshotRef:
+    if not isinstance(raw, dict):
+        raise ValueError("snapshot must be an object")
+    created = raw.get("created_ns")
+    if type(created) is not int or not 0 <= created < 1 << 63:
+        raise ValueError("snapshot created_ns must be a number 0..2**63-1")
+    return mirror.SnapshotRef(_string(raw, "name"), _uuid_hex(raw, "uuid", nullable=False),
+                              created)
+
+
+ADMIN_ONLY = {"/v1/rollback", "/v1/delete-snapshot"}
+MALFORMED = (ValueError, KeyError, TypeError, IndexError, struct.error, OverflowError,
+             RecursionError, UnicodeError)
+
+
 def make_app(receiver: Receiver) -> Starlette:
+    def refuse(request: Request, status: int, reason: str) -> JSONResponse:
+        client = request.client.host if request.client else "?"
+        log.warning("refused %s %s from %s: %d %s", request.method, request.url.path, client,
+                    status, reason)
+        return JSONResponse({"error": reason}, status_code=status)
+
     def guarded(handler):
         async def endpoint(request: Request):
-            if not receiver.authorized(request):
-                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+            rights = receiver.rights(request)
+            if rights is None:
+                return refuse(request, 401, "missing or wrong bearer token")
+            if request.url.path in ADMIN_ONLY and rights != "admin":
+                return refuse(request, 403, "this token may only add snapshots (append-only "
+                                            "mirror); rollback and pruning need the admin "
+                                            "token, or 'snapctl prune --store' on the mirror "
+                                            "host")
             try:
                 return await handler(request)
+            except TooLarge as e:
+                return refuse(request, 413, str(e))
+            except SlowBody as e:
+                return refuse(request, 408, str(e))
             except StoreError as e:          # MirrorError included: the client's fault
-                return JSONResponse({"error": str(e)}, status_code=409)
-            except (ValueError, KeyError, TypeError) as e:
-                return JSONResponse({"error": f"malformed request: {e}"}, status_code=400)
+                return refuse(request, 409, _one_line(str(e)))
+            except MALFORMED as e:
+                return refuse(request, 400, _one_line(f"malformed request: "
+                                                      f"{type(e).__name__}: {e}"))
         return endpoint
 
     return Starlette(routes=[
@@ -228,8 +384,13 @@ def make_app(receiver: Receiver) -> Starlette:
     ])
 
 
+def _one_line(msg: str) -> str:
+    return " ".join(msg.split())[:300]
+
+
 async def serve(store: Store, token: str, listen: str, certfile: str | None = None,
-                keyfile: str | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                keyfile: str | None = None, task_status=trio.TASK_STATUS_IGNORED,
+                admin_token: str | None = None, limits: Limits = Limits()) -> None:
     """Serve the mirror until cancelled."""
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
@@ -238,6 +399,7 @@ async def serve(store: Store, token: str, listen: str, certfile: str | None = No
     config.certfile, config.keyfile = certfile, keyfile
     config.accesslog = None
     config.errorlog = log
-    app = make_app(Receiver(store, token))
+    config.read_timeout = max(30, int(limits.body_seconds))  # a silent peer is dropped
+    app = make_app(Receiver(store, token, admin_token, limits))
     await hypercorn_serve(app, config, shutdown_trigger=trio.sleep_forever,
                           task_status=task_status)

@@ -139,6 +139,7 @@ def daemon_lags(work: Path, args) -> dict:
     subprocess.run([BIN / "mountfs", "mount", store, mnt], check=True, capture_output=True)
     token = work / "token"
     token.write_text(TOKEN)
+    token.chmod(0o600)                        # serve-mirror refuses a token others can read
     url = f"http://127.0.0.1:{free_port()}"
     receiver = subprocess.Popen([BIN / "mountfs", "serve-mirror", work / "mirror", "--listen",
                                  url.split("//")[1], "--token-file", token],

@@ -101,6 +101,10 @@ class Mount:
     def umount(self) -> None:
         cli("mountfs", "umount", self.mnt)
 
+    def log(self) -> str:
+        """What the server wrote to stdout and stderr so far."""
+        return self.log_path.read_text()
+
     def kill9(self) -> None:
         """Kill the mount process as a crash would, and detach the dead mount."""
         pid = self.pid
@@ -173,6 +177,7 @@ def spark():
 
 
 TOKEN = "s3cret-token-for-tests-0123456789"
+ADMIN_TOKEN = "admin-token-for-tests-9876543210"     # rollback and pruning (append-only mirror)
 
 
 def free_port() -> int:
@@ -184,8 +189,9 @@ def free_port() -> int:
 class Receiver:
     """A ``mountfs serve-mirror`` process on a loopback port."""
 
-    def __init__(self, store: Path, token_file: Path, tls: tuple[Path, Path] | None = None):
-        self.store, self.token_file, self.tls = store, token_file, tls
+    def __init__(self, store: Path, token_file: Path, tls: tuple[Path, Path] | None = None,
+                 extra=()):
+        self.store, self.token_file, self.tls, self.extra = store, token_file, tls, extra
         self.port = free_port()
         scheme = "https" if tls else "http"
         self.url = f"{scheme}://127.0.0.1:{self.port}"
@@ -193,11 +199,16 @@ class Receiver:
 
     def start(self) -> "Receiver":
         args = [sys.executable, "-m", "cmdline.mountfs", "serve-mirror", str(self.store),
-                "--listen", f"127.0.0.1:{self.port}", "--token-file", str(self.token_file)]
+                "--listen", f"127.0.0.1:{self.port}", "--token-file", str(self.token_file),
+                "--admin-token-file", str(self.token_file.with_name("admin-token")),
+                *self.extra]
         if self.tls:
             args += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        # the log goes to a file, not a pipe: a pipe nobody drains blocks the server once
+        # 64 KiB of log lines (one per refused request) have been written
+        self.log_path = self.store.parent / f"serve-mirror-{self.port}.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -205,9 +216,13 @@ class Receiver:
                 return self
             except OSError:
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"serve-mirror exited: {self.proc.stderr.read()}")
+                    raise AssertionError(f"serve-mirror exited: {self.log()}")
                 assert time.monotonic() < deadline, "serve-mirror did not start listening"
                 time.sleep(0.1)
+
+    def log(self) -> str:
+        """What the server wrote to stdout and stderr so far."""
+        return self.log_path.read_text()
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -227,10 +242,13 @@ def receiver(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
+    admin_file = tmp_path / "admin-token"
+    admin_file.write_text(ADMIN_TOKEN + "\n")
+    admin_file.chmod(0o600)
     started = []
 
-    def start(tls=None, store: Path | None = None) -> Receiver:
-        r = Receiver(store or tmp_path / "mirror", token_file, tls).start()
+    def start(tls=None, store: Path | None = None, extra=()) -> Receiver:
+        r = Receiver(store or tmp_path / "mirror", token_file, tls, extra).start()
         started.append(r)
         return r
     yield start

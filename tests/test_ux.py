@@ -60,6 +60,7 @@ def test_failed_replicates_are_one_line_and_leave_no_snapshot(mounted, receiver,
     (not_a_store / "x").write_text("x")
     wrong_token = tmp_path / "wrong-token"
     wrong_token.write_text("not-the-token-at-all-0123456789")
+    wrong_token.chmod(0o600)
     r = receiver()
     with_token = dict(os.environ, MOUNTFS_TOKEN=TOKEN)
     cases = [
@@ -246,7 +247,7 @@ def test_client_and_receiver_report_the_same_counts(mounted, receiver, tmp_path)
     summary = json.loads(res.stdout)
     r.stop()
     logged = re.search(r"committed snapshot (\S+) \((\d+) names and (\d+) inodes changed\)",
-                       r.proc.stderr.read())
+                       r.log())
     assert logged, "the receiver did not log its commit"
     assert logged.groups() == (summary["snapshot"], str(summary["entries"]),
                                str(summary["inodes"]))
@@ -326,6 +327,7 @@ def test_install_systemd_help_installs_nothing(tmp_path):
 def test_one_parser_for_sizes_and_durations_and_a_thorough_check(tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
+    token.chmod(0o600)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     config = write_config(tmp_path / "data.toml", mnt, tmp_path / "state",
@@ -339,6 +341,7 @@ def test_one_parser_for_sizes_and_durations_and_a_thorough_check(tmp_path):
     assert one_line_error(check(), code=2).endswith(
         f"mirror http://backup:8765: token_file {token} does not exist or cannot be read")
     token.write_text(TOKEN)
+    token.chmod(0o600)
     mnt.rmdir()
     assert one_line_error(check(), code=2).endswith(
         f"filesystem 'data': mountpoint {mnt} does not exist or is not a directory")
