@@ -454,7 +454,7 @@ def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, 
     try:
         trio.run(functools.partial(serve, st, token, listen, tls_cert, tls_key,
                                    admin_token=admin_token, limits=limits))
-    except KeyboardInterrupt:
+    except* KeyboardInterrupt:      # Ctrl-C: also when it lands in a connection's task
         pass
     finally:
         st.close()

@@ -388,6 +388,18 @@ def _one_line(msg: str) -> str:
     return " ".join(msg.split())[:300]
 
 
+def _peer_gone(record: logging.LogRecord) -> bool:
+    """hypercorn logs a traceback when a client hangs up while its reply is being sent
+    (its reader closes the stream under the writer): one line is enough for that."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, (trio.BusyResourceError, trio.BrokenResourceError,
+                          trio.ClosedResourceError)):
+        record.msg, record.args = "a client hung up before its reply was sent", ()
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
+
+
 async def serve(store: Store, token: str, listen: str, certfile: str | None = None,
                 keyfile: str | None = None, task_status=trio.TASK_STATUS_IGNORED,
                 admin_token: str | None = None, limits: Limits = Limits()) -> None:
@@ -399,6 +411,7 @@ async def serve(store: Store, token: str, listen: str, certfile: str | None = No
     config.certfile, config.keyfile = certfile, keyfile
     config.accesslog = None
     config.errorlog = log
+    log.addFilter(_peer_gone)
     config.read_timeout = max(30, int(limits.body_seconds))  # a silent peer is dropped
     app = make_app(Receiver(store, token, admin_token, limits))
     await hypercorn_serve(app, config, shutdown_trigger=trio.sleep_forever,

