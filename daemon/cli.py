@@ -75,6 +75,10 @@ def check_paths(cfg: Config) -> None:
                 if path is not None and not os.access(path, os.R_OK):
                     raise ConfigError(f"{cfg.path}: mirror {m.url}: {key} {path} does not "
                                       f"exist or cannot be read")
+                if key != "ca_file" and path is not None and os.stat(path).st_mode & 0o077:
+                    click.echo(f"warning: {cfg.path}: mirror {m.url}: {key} {path} is "
+                               f"readable by group or others; run 'chmod 600 {path}'",
+                               err=True)
 
 
 if __name__ == "__main__":

@@ -168,9 +168,14 @@ class FilesystemLoop:
         (append-only): pruning there uses admin_token_file, or is left to the mirror host."""
         admin = None
         if mirror.url.startswith("http") and mirror.admin_token_file:
-            with open(mirror.admin_token_file) as f:
-                admin = open_mirror(mirror.url, chunk_size, token=f.read().strip(),
-                                    ca_file=mirror.ca_file)
+            try:
+                with open(mirror.admin_token_file) as f:
+                    token = f.read().strip()
+            except OSError as e:
+                log.warning("%s -> %s: cannot read admin_token_file %s (%s); not pruned",
+                            self.fs.name, mirror.url, mirror.admin_token_file, e.strerror)
+                return
+            admin = open_mirror(mirror.url, chunk_size, token=token, ca_file=mirror.ca_file)
         elif mirror.url.startswith("http"):
             log.warning("%s -> %s: mirror retention needs admin_token_file (or 'snapctl "
                         "prune --store' on the mirror host); not pruned", self.fs.name,

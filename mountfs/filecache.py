@@ -9,6 +9,7 @@ that two versions of one chunk can never commit out of order.
 
 from __future__ import annotations
 
+import os
 import time
 
 import blake3
@@ -16,7 +17,20 @@ import trio
 
 from .namespace import FsError
 
-DIRTY_LIMIT = 256 << 20         # bytes of dirty chunks before writers wait for flushes
+def _dirty_limit() -> int:
+    """Bytes of dirty chunks before writers wait for flushes: a tenth of the machine's
+    memory, at least 256 MiB and at most 4 GiB (the bound ZFS puts on its dirty data). A
+    random writer over a file that fits pays the 1 MiB read-modify-write of a chunk once,
+    not at every write."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(max(256 << 20, memory // 10), 4 << 30)
+
+
+DIRTY_LIMIT = _dirty_limit()
+# A dirty chunk older than this is committed even if its file stays open and is never
+# fsynced (Linux writes back dirty pages after 30 s too): what a crash of the mount can take
+# from an open file is bounded in time, not only in size.
+DIRTY_EXPIRE = float(os.environ.get("MOUNTFS_DIRTY_EXPIRE", "30"))
 HASH_THREADS = trio.CapacityLimiter(2)
 INLINE_HASH = 64 << 10          # hashing this much takes microseconds: less than a thread hop
 STEP_BYTES = 64 << 20           # chunk data committed in one step (one transaction) at most
@@ -27,11 +41,42 @@ def chunk_digest(data: bytes) -> bytes:
 
 
 class DirtyChunk:
-    __slots__ = ("data", "gen")
+    """A chunk's buffered writes. ``ranges`` is None when ``data`` is the chunk's whole
+    content; otherwise the stored chunk has not been read yet and ``data`` holds only the
+    written [start, end) ranges (zeros elsewhere): a small write into a stored chunk costs
+    no read of the chunk until it is read back or committed (``FileCache._merge``)."""
+    __slots__ = ("data", "gen", "since", "ranges")
 
-    def __init__(self, data: bytearray):
+    def __init__(self, data: bytearray, ranges: list[tuple[int, int]] | None = None):
         self.data = data
         self.gen = 0
+        self.since = time.monotonic()
+        self.ranges = ranges
+
+    def complete(self, size: int) -> bool:
+        """Whether every byte of the chunk (``size`` bytes) is buffered: it can be committed
+        without reading anything back."""
+        if self.ranges is None:
+            return len(self.data) == size
+        self._normalise()
+        return self.ranges == [(0, size)]
+
+    def wrote(self, start: int, end: int) -> None:
+        """Note [start, end) as written: appended (a write costs O(1)), merged into sorted,
+        disjoint ranges when they are looked at or grow many."""
+        if self.ranges is not None:
+            self.ranges.append((start, end))
+            if len(self.ranges) > 1024:     # at most 1 MiB / 4 KiB distinct ones
+                self._normalise()
+
+    def _normalise(self) -> None:
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(self.ranges):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+            else:
+                merged.append((start, end))
+        self.ranges = merged
 
 
 class OpenFile:
@@ -123,16 +168,17 @@ class FileCache:
             if dc is None:
                 if within == 0 and take == cs:
                     dc = DirtyChunk(bytearray(view_data[pos:pos + take]))
-                else:
-                    dc = DirtyChunk(bytearray(self._stored_chunk(of, idx)))
+                else:           # nothing stored past the size: nothing to read back
+                    dc = DirtyChunk(bytearray(), None if idx * cs >= of.size else [])
                 of.dirty[idx] = dc
                 self.dirty_bytes += cs
             data = dc.data
             if len(data) < within:
                 data.extend(bytes(within - len(data)))
             data[within:within + take] = view_data[pos:pos + take]
+            dc.wrote(within, within + take)
             dc.gen += 1
-            if within + take == cs:
+            if within + take == cs and dc.complete(cs):
                 full.append(idx)
             pos += take
         of.size = max(of.size, off + len(buf))
@@ -155,9 +201,33 @@ class FileCache:
     def read(self, of: OpenFile, idx: int) -> bytes | None:
         """The buffered content of chunk ``idx``, if it is dirty."""
         dc = of.dirty.get(idx)
-        return bytes(dc.data) if dc is not None else None
+        if dc is None:
+            return None
+        if dc.ranges is not None:
+            self._merge(dc, self._stored_chunk(of, idx))
+        return bytes(dc.data)
+
+    @staticmethod
+    def _merge(dc: DirtyChunk, stored: bytes) -> None:
+        """Lay the written ranges over the stored chunk: ``dc.data`` becomes the content."""
+        base = bytearray(stored)
+        for start, end in dc.ranges:
+            if len(base) < start:
+                base.extend(bytes(start - len(base)))
+            base[start:end] = dc.data[start:end]
+        dc.data, dc.ranges = base, None
 
     # ---- flushing --------------------------------------------------------------------------
+
+    async def expirer(self) -> None:
+        """Commit, in the background, chunks dirty for longer than DIRTY_EXPIRE."""
+        while True:
+            await trio.sleep(min(5.0, DIRTY_EXPIRE))
+            now = time.monotonic()
+            for of in list(self.files.values()):
+                old = [idx for idx, dc in of.dirty.items() if now - dc.since >= DIRTY_EXPIRE]
+                if old:
+                    self._flush_later(of, old)
 
     def _flush_later(self, of: OpenFile, idxs: list[int]) -> None:
         if self.nursery is not None:
@@ -188,7 +258,7 @@ class FileCache:
         async with of.lock:
             if not final:
                 idxs = sorted(set(idxs) | {i for i, dc in of.dirty.items()
-                                           if len(dc.data) == cs})
+                                           if dc.complete(cs)})
             todo = [(idx, of.dirty[idx]) for idx in idxs if idx in of.dirty]
             per_step = max(1, STEP_BYTES // cs)
             for first in range(0, len(todo), per_step):
@@ -206,6 +276,11 @@ class FileCache:
                             whole: bool) -> None:
         """``whole``: the group holds every dirty chunk, so the step also commits the file's
         size and mtime (a close costs one commit, not two)."""
+        for idx, dc in group:
+            if dc.ranges is not None:
+                stored = await trio.to_thread.run_sync(self._stored_chunk, of, idx)
+                if dc.ranges is not None:           # not merged by a read meanwhile
+                    self._merge(dc, stored)
         copies = [(idx, dc, dc.gen, bytes(dc.data)) for idx, dc in group]
         size, mtime = of.size, of.mtime_ns
         datas = [data for _, _, _, data in copies]

@@ -50,9 +50,10 @@ def subdir_count(view: View, d: int) -> int:
 
 
 def inode_problems(view: View, ino: int, rec: S.Inode, names: int,
-                   subdirs: int | None = None) -> list[str]:
+                   subdirs: int | None = None, chunks=None) -> list[str]:
     """Every rule ``ino`` (record ``rec``, with ``names`` names in the tree and, for a
-    directory, ``subdirs`` subdirectories) breaks, one line each."""
+    directory, ``subdirs`` subdirectories) breaks, one line each. ``chunks``: the chunk
+    leaves whose length to check (None: all; a receiver checked the ones it got)."""
     out = []
     if not ino_in_range(ino):
         out.append(f"inode {ino} lies outside the store's range 1..{S.MAX_INO}")
@@ -75,13 +76,15 @@ def inode_problems(view: View, ino: int, rec: S.Inode, names: int,
     if ino != S.ROOT_INO and names and view.lookup(rec.parent, rec.name) != ino:
         out.append(f"inode {ino} records its location as {rec.parent}/{rec.name!r}, which "
                    f"does not name it")
-    out += _content_problems(view, ino, rec)
+    out += _content_problems(view, ino, rec, chunks)
     return out
 
 
 def _epoch_problems(view: View, ino: int, rec: S.Inode) -> list[str]:
     """mepoch is what a diff prunes by: no inode is older than a version of its records."""
     txn, dbs, epoch = view.txn, view.db, view.epoch
+    if rec.mepoch >= epoch:
+        return []                     # nothing visible at this epoch can be newer
     newest = max(newest_epoch(txn, dbs["inodes"], S.inode_key(ino), epoch),
                  newest_epoch(txn, dbs["xattrs"], S.u64(ino), epoch),
                  newest_epoch(txn, dbs["chunks"], S.u64(ino), epoch))
@@ -92,17 +95,21 @@ def _epoch_problems(view: View, ino: int, rec: S.Inode) -> list[str]:
     return []
 
 
-def _content_problems(view: View, ino: int, rec: S.Inode) -> list[str]:
+def _content_problems(view: View, ino: int, rec: S.Inode, chunks=None) -> list[str]:
+    """Chunks only in regular files and only below their size (one seek each), each no
+    longer than the chunk size (the leaves ``chunks`` names; None: every leaf)."""
     out = []
-    indices = list(view.chunk_indices(ino))
     if stat.S_ISREG(rec.mode):
-        for idx in indices:
-            _, length = view.chunk(ino, idx)
-            if length > view.chunk_size or idx > MAX_CHUNK_INDEX \
-                    or idx * view.chunk_size >= rec.size:
-                out.append(f"inode {ino} chunk {idx} lies beyond its size {rec.size} or is "
-                           f"too long ({length})")
-    elif indices:
+        first_beyond = min(-(-rec.size // view.chunk_size), MAX_CHUNK_INDEX + 1)
+        beyond = next(view.chunk_indices(ino, first_beyond), None)
+        if beyond is not None:
+            out.append(f"inode {ino} has chunk {beyond}, beyond its size {rec.size}")
+        for idx in view.chunk_indices(ino) if chunks is None else chunks:
+            value = view.chunk(ino, idx)
+            if value is not None and value[1] > view.chunk_size:
+                out.append(f"inode {ino} chunk {idx} holds {value[1]} bytes, more than the "
+                           f"chunk size {view.chunk_size}")
+    elif next(view.chunk_indices(ino), None) is not None:
         out.append(f"inode {ino} is not a regular file but has chunks")
     if stat.S_ISLNK(rec.mode) and not rec.target:
         out.append(f"symlink {ino} has no target")

@@ -136,6 +136,7 @@ async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> Non
         if not engine.store.readonly:
             nursery.start_soon(engine.syncer)
             nursery.start_soon(engine.collector)
+            nursery.start_soon(engine.files.expirer)
             engine.wake_gc()
         await nursery.start(ControlServer(engine, ops, mountpoint).serve)
         nursery.start_soon(_on_signals)

@@ -42,6 +42,8 @@ SNAP_TIMEOUT = 3600.0
 READONLY_TIMEOUT = 1.0
 BLKSIZE = 128 << 10
 ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
+CAPABILITY = b"security.capability"
+CAPABILITY_MEMORY = 1 << 16     # inodes remembered without one, at most
 
 
 def guard(fn):
@@ -79,6 +81,11 @@ class Operations(pyfuse3.Operations):
         self.dirs: dict[int, tuple[int, list]] = {}
         self.next_fh = 1
         self.timeout = READONLY_TIMEOUT if read_only else LIVE_TIMEOUT
+        # Live inodes known to have no security.capability: the kernel asks before every
+        # write (to drop capabilities), and the answer is almost always "none". Forgotten
+        # on any xattr change of the inode and on a rollback or restore; a read-only mount
+        # follows another writer, so it keeps no such memory.
+        self.no_capability: set[int] = set()
 
     # ---- inode numbers -------------------------------------------------------------------
 
@@ -533,16 +540,21 @@ class Operations(pyfuse3.Operations):
         self._writable(inode)
         if name in ACL_XATTRS:
             raise FsError(errno.EOPNOTSUPP)
+        self.no_capability.discard(inode)
         await self.engine.mutate(lambda live: live.set_xattr(inode, name, value))
 
     @guard
     async def getxattr(self, inode, name, ctx):
-        if inode == SNAPDIR_INO:
+        if inode == SNAPDIR_INO or (name == CAPABILITY and inode in self.no_capability):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         epoch, real = self._where(inode)
         with self.engine.view(epoch) as v:
             value = v.xattr(real, name)
         if value is None:
+            if name == CAPABILITY and epoch is None and not self.read_only:
+                if len(self.no_capability) >= CAPABILITY_MEMORY:
+                    self.no_capability.clear()
+                self.no_capability.add(inode)
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value
 
@@ -583,6 +595,7 @@ class Operations(pyfuse3.Operations):
 
     async def invalidate(self, inodes, entries) -> None:
         """Tell the kernel that entries and inodes changed behind its back."""
+        self.no_capability.clear()
         for parent, name in entries:
             if parent in self.lookups or parent == S.ROOT_INO:
                 pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import time
 import uuid as uuidlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -136,7 +137,7 @@ class Store:
             self.env.sync(True)
         self.env.close()
         if self.lockfd is not None:
-            os.close(self.lockfd)
+            _release_lock(self.lockfd)
             self.lockfd = None
 
     def sync(self) -> None:
@@ -226,17 +227,41 @@ def _check_format(env: lmdb.Environment, path: Path) -> None:
                          f"mountfs (which reads version {S.FORMAT_VERSION})")
 
 
+LOCK_PATIENCE = 2.0     # seconds a lock taker waits out holders that are only probes
+
+
 def _take_lock(path: Path, holder: str) -> int:
+    """The exclusive store lock. ``lock_holder`` probes (umount's wait, ``mounts()``, status
+    commands, the daemon) hold a shared lock for microseconds: a taker waits them out for
+    LOCK_PATIENCE instead of refusing a store nobody uses; a real holder keeps it longer."""
     fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        who = Path(path / "lock").read_text().strip() or "another process"
-        os.close(fd)
-        raise StoreError(f"{path} is in use ({who}); a store has only one writer at a time")
+    deadline = time.monotonic() + LOCK_PATIENCE
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
+            who = Path(path / "lock").read_text().strip() or "another process"
+            os.close(fd)
+            raise StoreError(f"{path} is in use ({who}); a store has only one writer at a "
+                             f"time") from None
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()}{' ' + holder if holder else ''}\n".encode())
+    try:
+        os.write(fd, f"pid {os.getpid()}{' ' + holder if holder else ''}\n".encode())
+    except OSError as e:         # a full disk: the name is for messages, the flock is held
+        if e.errno != errno.ENOSPC:
+            os.close(fd)
+            raise
     return fd
+
+
+def _release_lock(fd: int) -> None:
+    """Clear the holder's name first: a later refusal must never name a process long gone."""
+    os.ftruncate(fd, 0)
+    os.close(fd)
 
 
 def lock_holder(path: str | os.PathLike) -> str | None:

@@ -5,6 +5,7 @@ and decompressed), and a body that is not what the call expects is a one-line er
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 
 import httpx
@@ -38,16 +39,17 @@ def _tls_context(ca_file: str | None) -> ssl.SSLContext | bool:
         raise StoreError(f"cannot use CA file {ca_file}: {e}") from None
 
 
-def _call(client: httpx.Client, method: str, path: str, body: bytes | None = None):
-    """One request; the response is held only up to MAX_BODY bytes."""
+def _call(client: httpx.Client, method: str, path: str, body: bytes | None = None,
+          limit: int = MAX_BODY):
+    """One request; the response is held only up to ``limit`` bytes."""
     try:
         with client.stream(method, path, content=body) as streamed:
             data = bytearray()
             for piece in streamed.iter_raw():
                 data += piece
-                if len(data) > MAX_BODY:
+                if len(data) > limit:
                     raise MirrorError(f"the mirror at {client.base_url} sent a response over "
-                                      f"{MAX_BODY} bytes; refused")
+                                      f"{limit} bytes; refused")
             res = httpx.Response(streamed.status_code, content=bytes(data))
     except httpx.HTTPError as e:
         raise MirrorError(f"cannot reach the mirror at {client.base_url}: {e}") from None
@@ -68,6 +70,15 @@ def _json(raw: bytes):
         return loads(raw)
     except (ValueError, UnicodeError):
         raise MirrorError("the mirror sent a malformed response (not JSON)") from None
+
+
+@contextlib.contextmanager
+def _malformed(what: str):
+    """A response that does not have the shape the call expects: one line, not a trace."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+        raise MirrorError(f"the mirror sent a malformed {what} response") from None
 
 
 class HttpSink:
@@ -91,7 +102,8 @@ class HttpSink:
     def put(self, chunks) -> tuple[int, int]:
         with self._client() as client:
             reply = _json(_call(client, "POST", "/v1/chunks", pack_frames(chunks)).content)
-        return reply["stored"], reply["bytes"]
+        with _malformed("chunks"):
+            return int(reply["stored"]), int(reply["bytes"])
 
     def missing(self, digests: list[bytes]) -> list[bytes]:
         """Which of ``digests`` the mirror lacks (a retried task sends only those)."""
@@ -103,20 +115,25 @@ class HttpSink:
 class HttpMirror:
     """A mirror behind ``mountfs serve-mirror``."""
 
-    def __init__(self, url: str, token: str | None, ca_file: str | None = None):
+    def __init__(self, url: str, token: str | None, ca_file: str | None = None,
+                 max_response: int = MAX_BODY):
         self.url = url.rstrip("/")
         self.client = _client(self.url, token, ca_file)
         self.sink = HttpSink(self.url, token, ca_file)
+        self.limit = max_response         # bytes of one response, raw and decompressed
+
+    def _call(self, method: str, path: str, body: bytes | None = None) -> httpx.Response:
+        return _call(self.client, method, path, body, self.limit)
 
     def info(self) -> dict:
-        return _json(_call(self.client, "GET", "/v1/info").content)
+        return _json(self._call("GET", "/v1/info").content)
 
     def missing(self, digests: list[bytes]) -> list[bytes]:
         return self.sink.missing(digests)
 
     def commit(self, source_uuid: bytes, base_uuid: str | None, snap: SnapshotRef,
                cs: Changeset, reconcile: bool = False) -> None:
-        _call(self.client, "POST", "/v1/commit", compress_json({
+        self._call("POST", "/v1/commit", compress_json({
             "source_uuid": source_uuid.hex(), "base_uuid": base_uuid, "reconcile": reconcile,
             "snapshot": {"name": snap.name, "uuid": snap.uuid, "created_ns": snap.created_ns},
             "changeset": cs.to_json()}))
@@ -132,45 +149,47 @@ class HttpMirror:
             "transfer": transfer.hex(), "parts": [d.hex() for d in digests]}))
 
     def rollback_to(self, base_uuid: str) -> None:
-        _call(self.client, "POST", "/v1/rollback", compress_json({"base_uuid": base_uuid}))
+        self._call("POST", "/v1/rollback", compress_json({"base_uuid": base_uuid}))
 
     def stage(self, chunks) -> tuple[int, int]:
         return self.sink.put(chunks)
 
     def delete_snapshot(self, name: str) -> None:
-        _call(self.client, "POST", "/v1/delete-snapshot", compress_json({"name": name}))
+        self._call("POST", "/v1/delete-snapshot", compress_json({"name": name}))
 
     def export(self, snapshot: str, path: str) -> list[dict]:
-        res = _call(self.client, "POST", "/v1/export",
-                    compress_json({"snapshot": snapshot, "path": path}))
-        return _json(decompress(res.content))
+        res = self._call("POST", "/v1/export",
+                         compress_json({"snapshot": snapshot, "path": path}))
+        return _json(decompress(res.content, self.limit))
 
     def read_chunks(self, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
-        res = _call(self.client, "POST", "/v1/read-chunks", compress(b"".join(digests)))
-        return unpack_frames(res.content)
+        res = self._call("POST", "/v1/read-chunks", compress(b"".join(digests)))
+        return unpack_frames(res.content, self.limit)
 
     def bucket_hashes(self, snap_uuid: str | None, recompute: bool = False) -> list[bytes]:
-        raw = _call(self.client, "POST", "/v1/buckets",
-                    compress_json({"snapshot": snap_uuid, "recompute": recompute})).content
+        body = compress_json({"snapshot": snap_uuid, "recompute": recompute})
+        raw = self._call("POST", "/v1/buckets", body).content
         return [raw[i:i + 32] for i in range(0, len(raw), 32)]
 
     def bucket_items(self, snap_uuid: str | None, wanted: list[int]) -> dict:
-        res = _call(self.client, "POST", "/v1/bucket-items",
-                    compress_json({"snapshot": snap_uuid, "buckets": wanted}))
-        body = _json(decompress(res.content))
-        return {int(b): {bytes.fromhex(i): bytes.fromhex(h) for i, h in its.items()}
-                for b, its in body.items()}
+        res = self._call("POST", "/v1/bucket-items",
+                         compress_json({"snapshot": snap_uuid, "buckets": wanted}))
+        body = _json(decompress(res.content, self.limit))
+        with _malformed("bucket-items"):
+            return {int(b): {bytes.fromhex(i): bytes.fromhex(h) for i, h in its.items()}
+                    for b, its in body.items()}
 
     def scrub(self) -> dict[str, list[bytes]]:
-        found = _json(_call(self.client, "POST", "/v1/scrub").content)
-        return {k: [bytes.fromhex(d) for d in v] for k, v in found.items()}
+        found = _json(self._call("POST", "/v1/scrub").content)
+        with _malformed("scrub"):
+            return {k: [bytes.fromhex(d) for d in v] for k, v in found.items()}
 
     def replace_chunks(self, chunks) -> None:
-        _call(self.client, "POST", "/v1/replace-chunks", pack_frames(chunks))
+        self._call("POST", "/v1/replace-chunks", pack_frames(chunks))
 
     def repair(self, base_uuid: str, cs: Changeset) -> None:
-        _call(self.client, "POST", "/v1/repair",
-              compress_json({"base_uuid": base_uuid, "changeset": cs.to_json()}))
+        self._call("POST", "/v1/repair",
+                   compress_json({"base_uuid": base_uuid, "changeset": cs.to_json()}))
 
     def close(self) -> None:
         self.client.close()

@@ -406,7 +406,8 @@ def forget_mirror(ctx, url):
               metavar="SECONDS", help="Drop staged chunks of a cycle that sent nothing for "
               "this long (abandoned).")
 @click.option("--body-timeout", type=float, default=300.0, show_default=True,
-              metavar="SECONDS", help="Time a client has to send one request body.")
+              metavar="SECONDS", help="Grace time to send a request body; after it a body "
+              "must have averaged 64 KiB/s, or it is cut off (408).")
 @click.option("--tls-cert", type=click.Path(dir_okay=False), help="Serve HTTPS with this "
               "certificate (PEM); needs --tls-key.")
 @click.option("--tls-key", type=click.Path(dir_okay=False), help="The certificate's key.")
@@ -419,8 +420,10 @@ def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, 
                  verbose):
     """Receive replication into mirror STORE over HTTP(S) (created if missing).
 
-    Sources replicate with 'snapctl replicate --to http://HOST:PORT --token-file FILE'.
-    Every request must carry the token; the store stays locked while this runs."""
+    Sources replicate with 'snapctl replicate --to https://HOST:PORT --token-file FILE
+    --ca-file CERT'. Every request must carry a token; the replicate token can only add
+    snapshots (append-only), the admin token may also roll back and prune. Without
+    --tls-cert, listen on loopback only. The store stays locked while this runs."""
     import trio
 
     from mountfs.cli import setup_logging
@@ -451,7 +454,7 @@ def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, 
     try:
         trio.run(functools.partial(serve, st, token, listen, tls_cert, tls_key,
                                    admin_token=admin_token, limits=limits))
-    except KeyboardInterrupt:
+    except* KeyboardInterrupt:      # Ctrl-C: also when it lands in a connection's task
         pass
     finally:
         st.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import stat
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -318,9 +319,13 @@ def apply_parts(live: Live, parts: Parts) -> None:
     (deletes and rename sources), then inodes that are gone, then new entries (creates and
     rename targets), then records, then xattrs and chunks; then the checks against the
     store's state. What is held across parts is inode numbers only (directories whose
-    entries changed, displaced inodes, and, when something is dropped, the inodes named)."""
+    entries changed, displaced inodes, subdirectory counts of directories, and, when
+    something is dropped, the inodes named)."""
     for cs in parts():
         _validate(cs, live.chunk_size)
+    subdirs = _Subdirs()
+    for cs in parts():
+        subdirs.note_before(live, cs)
     parents, detached, dropping = set(), set(), False
     for cs in parts():
         for (d, name), child in cs.entries.items():
@@ -368,8 +373,69 @@ def apply_parts(live: Live, parts: Parts) -> None:
         if live.inode(x) is not None:
             live.touch(x)         # as do entry-only ones
     for cs in parts():
-        _check_invariants(live, cs, set())
-    _check_invariants(live, Changeset(), parents | detached)
+        subdirs.count_arrivals(live, cs)
+    for cs in parts():
+        _check_invariants(live, cs, set(), subdirs)
+    _check_invariants(live, Changeset(), parents | detached | subdirs.retyped_parents,
+                      subdirs)
+
+
+class _Subdirs:
+    """How many subdirectories each directory a commit touches holds afterwards, counted
+    from the change (O(change), not O(entries): a commit adding one name to a directory of
+    a million must not read the million). Before: nlink - 2, which the mirror's previous
+    commits were checked to keep; then minus the directories the changed names named, plus
+    those they name now, plus or minus children whose type changes under unchanged names.
+    Only directories are remembered (anything else held none before), so a first copy of a
+    million files holds a number per directory, not per file."""
+
+    def __init__(self):
+        self.before: dict[int, int] = {}
+        self.delta: Counter = Counter()
+        self.retyped_parents: set[int] = set()
+
+    def note_before(self, live: Live, cs: Changeset) -> None:
+        """Before the changes: the counts of the directories one part touches."""
+        for (d, name), child in cs.entries.items():
+            old = live.lookup(d, name)
+            self._note(live, d, old, child)
+            if old is not None and self._is_dir(live, old):
+                self.delta[d] -= 1
+        for x, rec in cs.inodes.items():
+            old = live.inode(x)
+            self._note(live, x)
+            if old is None or rec is None or stat.S_ISDIR(old.mode) == stat.S_ISDIR(rec.mode):
+                continue
+            for p, name in live.links(x):
+                if (p, name) not in cs.entries:
+                    self._note(live, p)
+                    self.delta[p] += 1 if stat.S_ISDIR(rec.mode) else -1
+                    self.retyped_parents.add(p)
+        for x in cs.xattrs.keys() | cs.chunks.keys():
+            self._note(live, x)
+
+    def _note(self, live: Live, *inos) -> None:
+        for x in inos:
+            if x is not None and x not in self.before:
+                rec = live.inode(x)
+                if rec is not None and stat.S_ISDIR(rec.mode):
+                    self.before[x] = rec.nlink - 2
+
+    @staticmethod
+    def _is_dir(live: Live, x: int) -> bool:
+        rec = live.inode(x)
+        return rec is not None and stat.S_ISDIR(rec.mode)
+
+    def count_arrivals(self, live: Live, cs: Changeset) -> None:
+        """After the changes: the directories one part's changed names now name."""
+        for (d, _), child in cs.entries.items():
+            if child is not None and self._is_dir(live, child):
+                self.delta[d] += 1
+
+    def of(self, d: int) -> int:
+        """Every directory asked about was noted before the changes (a commit's checks ask
+        only about what it touched); one that was not a directory then held none."""
+        return self.before.get(d, 0) + self.delta[d]
 
 
 def _raise_next_ino(live: Live, cs: Changeset) -> None:
@@ -419,7 +485,7 @@ def _check_ino(x: int) -> None:
                           f"1..{S.MAX_INO}")
 
 
-def _check_invariants(live: Live, cs: Changeset, around: set[int]) -> None:
+def _check_invariants(live: Live, cs: Changeset, around: set[int], subdirs: _Subdirs) -> None:
     """After the changes: every inode the commit touched, and every directory whose entries
     changed, obeys the tree rules fsck checks (mountfs.invariants); content for an inode
     that does not exist, or a name left pointing nowhere, is refused."""
@@ -437,7 +503,9 @@ def _check_invariants(live: Live, cs: Changeset, around: set[int]) -> None:
         names = len(live.links(x))
         if x != S.ROOT_INO and not names:
             raise MirrorError(f"commit leaves inode {x} without a name")
-        problems = invariants.inode_problems(live, x, rec, names)
+        problems = invariants.inode_problems(
+            live, x, rec, names, subdirs.of(x) if stat.S_ISDIR(rec.mode) else None,
+            chunks=())
         if problems:
             raise MirrorError(f"commit refused: {problems[0]}")
 

@@ -53,6 +53,7 @@ from .changeset import Changeset
 log = logging.getLogger(__name__)
 
 FRAME = struct.Struct(">32sI")
+MIN_RATE = 64 << 10           # bytes/s a body must average once its grace time is over
 MAX_BODY = 1 << 30            # bytes, on the wire and decompressed, per request or response
 
 
@@ -143,21 +144,27 @@ class Receiver:
         return "admin" if admin else "replicate" if replicate else None
 
     async def body(self, request: Request) -> bytes:
-        """The raw body, refused (413) beyond the limit before it is held, and (408) when
-        it does not arrive in time."""
+        """The raw body, refused (413) beyond the limit before it is held, and (408) when it
+        arrives too slowly: a client has ``body_seconds`` plus one second per MIN_RATE bytes
+        it has sent, so a big body on a slow link gets through and a trickle does not."""
         limit = self.limits.max_body
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise TooLarge(f"body of {declared} bytes is over the limit of {limit}")
         out = bytearray()
-        with trio.move_on_after(self.limits.body_seconds) as scope:
-            async for piece in request.stream():
-                out += piece
+        start = trio.current_time()
+        pieces = request.stream().__aiter__()
+        while True:
+            with trio.move_on_at(start + self.limits.body_seconds + len(out) / MIN_RATE):
+                try:
+                    out += await pieces.__anext__()
+                except StopAsyncIteration:
+                    return bytes(out)
                 if len(out) > limit:
                     raise TooLarge(f"body is over the limit of {limit} bytes")
-        if scope.cancelled_caught:
-            raise SlowBody(f"body not received within {self.limits.body_seconds:g} s")
-        return bytes(out)
+                continue
+            raise SlowBody(f"body arrived slower than {MIN_RATE} bytes/s after the first "
+                           f"{self.limits.body_seconds:g} s")
 
     async def raw(self, request: Request) -> bytes:
         """The decompressed body (in a worker thread: a big body never stalls the loop)."""
@@ -434,6 +441,18 @@ def _one_line(msg: str) -> str:
     return " ".join(msg.split())[:300]
 
 
+def _peer_gone(record: logging.LogRecord) -> bool:
+    """hypercorn logs a traceback when a client hangs up while its reply is being sent
+    (its reader closes the stream under the writer): one line is enough for that."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, (trio.BusyResourceError, trio.BrokenResourceError,
+                          trio.ClosedResourceError)):
+        record.msg, record.args = "a client hung up before its reply was sent", ()
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
+
+
 async def serve(store: Store, token: str, listen: str, certfile: str | None = None,
                 keyfile: str | None = None, task_status=trio.TASK_STATUS_IGNORED,
                 admin_token: str | None = None, limits: Limits = Limits()) -> None:
@@ -445,6 +464,7 @@ async def serve(store: Store, token: str, listen: str, certfile: str | None = No
     config.certfile, config.keyfile = certfile, keyfile
     config.accesslog = None
     config.errorlog = log
+    log.addFilter(_peer_gone)
     config.read_timeout = max(30, int(limits.body_seconds))  # a silent peer is dropped
     app = make_app(Receiver(store, token, admin_token, limits))
     await hypercorn_serve(app, config, shutdown_trigger=trio.sleep_forever,

@@ -268,8 +268,10 @@ def _watch(sc, group, worker, total, stall_seconds, progress, explain=None) -> N
     full). ``explain()`` says, for remote executors, which side they could not reach."""
     done, last_change, submitted = 0, None, time.monotonic()
     tracker = sc.statusTracker()
+    explain = _with_lost_executors(sc, explain)
     while worker.is_alive():
         worker.join(0.2)
+        explain.poll()
         now_done, running = _task_counts(tracker, group)
         if now_done != done:
             done, last_change = now_done, time.monotonic()
@@ -289,8 +291,40 @@ def _watch(sc, group, worker, total, stall_seconds, progress, explain=None) -> N
         progress(total)
 
 
+class _with_lost_executors:
+    """``explain()`` that first says when the job has no executor left (a worker died):
+    the executors' hosts are polled while the job runs, so the lost ones can be named."""
+
+    def __init__(self, sc, explain=None):
+        self.tracker = sc._jsc.sc().statusTracker()
+        self.driver = sc.getConf().get("spark.driver.host")
+        self.explain = explain
+        self.seen: set[str] = set()
+        self.now: list[str] = []
+        self.next_poll = 0.0
+
+    def poll(self) -> None:
+        if time.monotonic() < self.next_poll:
+            return
+        self.next_poll = time.monotonic() + 1.0
+        hosts = [info.host() for info in self.tracker.getExecutorInfos()]
+        if self.driver in hosts:                 # the driver's own entry is in the list
+            hosts.remove(self.driver)
+        self.now = hosts
+        self.seen.update(hosts)
+
+    def __call__(self) -> str | None:
+        self.next_poll = 0.0
+        self.poll()
+        if self.seen and not self.now:
+            return (f"the job has no executor left (lost: {', '.join(sorted(self.seen))}; "
+                    f"did a worker die?)")
+        return self.explain() if self.explain else None
+
+
 def _cancel(sc, group, worker, what: str, explain) -> None:
-    why = f": {explain()}" if explain else ""
+    why = explain() if explain else None
+    why = f": {why}" if why else ""
     sc.cancelJobGroup(group)
     worker.join()
     raise TransferStalled(f"{what}; cancelled (what arrived is kept; run again to "
@@ -323,6 +357,11 @@ def _spark_message(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+class ClusterMismatch(Exception):
+    """An executor runs another pyspark than the driver: refused before it sends anything
+    (pickled tasks and results are only promised to work between equal versions)."""
+
+
 class _BatchSender:
     """The Spark task: read one batch (from the source store on this host, or from the
     source's chunk endpoint) and put it to the sink. A retried attempt first asks the
@@ -330,13 +369,21 @@ class _BatchSender:
     stored and which executor did it, for the per-executor figures."""
 
     def __init__(self, store_path: str | None, endpoint, sink, stall_seconds: float):
+        import pyspark
         self.store_path = store_path
         self.endpoint = endpoint
         self.sink = sink
         self.stall_seconds = stall_seconds
+        self.pyspark_version = pyspark.__version__
 
     def __call__(self, batch: list[tuple[str, int]]) -> dict:
+        import pyspark
         from pyspark import TaskContext
+        if pyspark.__version__ != self.pyspark_version:
+            raise ClusterMismatch(
+                f"executor {self._executor()} runs pyspark {pyspark.__version__} but this "
+                f"host runs {self.pyspark_version}: install pyspark=={self.pyspark_version} "
+                f"for the cluster's Python (PYSPARK_PYTHON), or the same version here")
         started = time.monotonic()
         digests = [bytes.fromhex(h) for h, _ in batch]
         context = TaskContext.get()

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -158,13 +159,32 @@ class Cluster:
             env=dict(env, SPARK_LOCAL_IP=NET.source_w), stdout=open(top / "master.log", "w"),
             stderr=subprocess.STDOUT)
         wait_for("the Spark master", lambda: listening(NET.source_w, self.port))
+        self.hidden, self.spark_env = hidden, env
+        self.start_worker()
+
+    def start_worker(self, home: Path | None = None) -> None:
+        """The worker, from pyspark's installation or from ``home`` (another SPARK_HOME)."""
+        home = home or self.home
         self.worker = subprocess.Popen(
-            in_namespace(NET.ns_worker, [spark_class, "org.apache.spark.deploy.worker.Worker",
+            in_namespace(NET.ns_worker, [str(home / "bin" / "spark-class"),
+                                     "org.apache.spark.deploy.worker.Worker",
                                      "--host", NET.worker_s, "--cores", "2", "--memory", "1g",
-                                     "--work-dir", top / "work", self.url], hidden),
-            env=dict(env, SPARK_LOCAL_IP=NET.worker_s), stdout=open(top / "worker.log", "w"),
-            stderr=subprocess.STDOUT)
+                                     "--work-dir", self.top / "work", self.url], self.hidden),
+            env=dict(self.spark_env, SPARK_LOCAL_IP=NET.worker_s, SPARK_HOME=str(home)),
+            stdout=open(self.top / "worker.log", "a"), stderr=subprocess.STDOUT)
         wait_for("the worker to register", lambda: self.alive_workers() == 1)
+
+    def kill_worker_host(self) -> None:
+        """Every process of the worker's namespace (worker, executor, Python workers) dies
+        at once, as when its host loses power."""
+        pids = ip("netns", "pids", NET.ns_worker).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.worker.wait()
+        wait_for("the master to drop the dead worker", lambda: self.alive_workers() == 0)
 
     def state(self) -> dict:
         with urllib.request.urlopen(f"http://{NET.source_w}:{self.ui}/json", timeout=5) as r:
@@ -347,6 +367,27 @@ def mirror_snapshots(r: NsReceiver) -> list[str]:
         mirror.close()
 
 
+def replicating(m: Mount, cluster: Cluster, r: NsReceiver, name: str) -> subprocess.Popen:
+    """24 MiB in 1 MiB files under NAME, snapshot NAME1, and its replication under way in
+    1 MiB batches with a 10 s stall timeout: returned once the first chunks have arrived."""
+    (m.mnt / name).mkdir()
+    for i in range(24):
+        (m.mnt / name / f"f{i}").write_bytes(os.urandom(1 << 20))
+    m.snapctl("create", f"{name}1")
+    proc = subprocess.Popen(
+        [SNAPCTL, "-m", str(m.mnt), "replicate", "--to", r.url, "--token-file",
+         str(r.token_file), "--snapshot", f"{name}1", "--spark-master", cluster.url,
+         "--spark-threshold", "0", "--batch-size", "1M", "--stall-timeout", "10s"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env())
+    try:
+        wait_for("the first chunks to arrive",
+                 lambda: proc.poll() is not None or staged_count(r.store) > 0)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
 @pytest.fixture
 def slow_link():
     """The worker's link to the receiver at 40 Mbit/s, so that a transfer lasts seconds."""
@@ -361,26 +402,18 @@ def slow_link():
 def test_a_link_cut_mid_transfer_stalls_names_the_mirror_and_resumes(cluster, source, receiver,
                                                                      slow_link):
     m = source
-    (m.mnt / "cut").mkdir()
-    for i in range(24):
-        (m.mnt / "cut" / f"f{i}").write_bytes(os.urandom(1 << 20))
-    m.snapctl("create", "cut1")
-    proc = subprocess.Popen(
-        [SNAPCTL, "-m", str(m.mnt), "replicate", "--to", receiver.url, "--token-file",
-         str(receiver.token_file), "--snapshot", "cut1", "--spark-master", cluster.url,
-         "--spark-threshold", "0", "--batch-size", "1M", "--stall-timeout", "10s"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env())
+    proc = replicating(m, cluster, receiver, "cut")
     try:
-        wait_for("the first chunks to arrive",
-                 lambda: proc.poll() is not None or staged_count(receiver.store) > 0)
         ip("-n", NET.ns_receiver, "link", "set", NET.x1, "down")
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
+    # Either the watchdog fires ("no chunk batch finished in 10 s; ...: executor W: cannot
+    # reach the mirror at URL") or, when the kernel answers "no route to host" at once, the
+    # executors' own failures end the job first ("cannot reach the mirror at URL: ...").
     assert proc.returncode == 1 and err.count("\n") == 1, err
-    assert "no chunk batch finished in 10 s" in err
-    assert f"executor {NET.worker_s}: cannot reach the mirror at {receiver.url}" in err, err
+    assert f"cannot reach the mirror at {receiver.url}" in err, err
     assert "cut1" not in mirror_snapshots(receiver)
     ip("-n", NET.ns_receiver, "link", "set", NET.x1, "up")
     arrived = settled(lambda: staged_bytes(receiver.store))   # a body already received
@@ -421,3 +454,90 @@ def test_executors_without_python_are_one_clear_line(cluster, source, receiver):
     assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
     assert "/nonexistent/python3" in res.stderr, res.stderr
     assert "nopy1" not in mirror_snapshots(receiver)
+
+
+def test_a_worker_that_dies_mid_job_is_one_line_and_a_rerun_converges(cluster, source,
+                                                                    receiver, slow_link):
+    m = source
+    proc = replicating(m, cluster, receiver, "dies")
+    try:
+        cluster.kill_worker_host()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if cluster.alive_workers() == 0:
+            cluster.start_worker()                  # the next tests need their worker
+    assert proc.returncode == 1 and err.count("\n") == 1, err
+    assert "no executor left" in err and NET.worker_s in err, err
+    assert "dies1" not in mirror_snapshots(receiver)
+    arrived = settled(lambda: staged_bytes(receiver.store))
+    assert 0 < arrived < 24 << 20
+    again = replicate(m, cluster, receiver, "dies1")
+    assert again.returncode == 0, again.stderr
+    summary = json.loads(again.stdout)
+    total = summary["bytes_sent"] + summary["bytes_skipped"]
+    assert total - arrived - (4 << 20) <= summary["bytes_sent"] <= total - arrived
+    assert "dies1" in mirror_snapshots(receiver)
+
+
+def test_a_worker_cut_off_from_the_source_is_one_line_naming_the_chunk_endpoint(
+        cluster, source, receiver, slow_link):
+    m = source
+    proc = replicating(m, cluster, receiver, "lone")
+    try:
+        ip("link", "set", NET.w0, "down")          # the source's side of the worker's link
+        out, err = proc.communicate(timeout=300)
+    finally:
+        ip("link", "set", NET.w0, "up")
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and err.count("\n") == 1, err
+    assert "chunk endpoint" in err and NET.source_w in err, err
+    assert "lone1" not in mirror_snapshots(receiver)
+    wait_for("the worker to be back", lambda: cluster.alive_workers() == 1)
+    again = replicate(m, cluster, receiver, "lone1")
+    assert again.returncode == 0, again.stderr
+    assert "lone1" in mirror_snapshots(receiver)
+
+
+def other_pyspark_home(real: Path, top: Path, version: str) -> Path:
+    """A SPARK_HOME whose executors' Python gets pyspark ``version``: the installation's
+    own files, but the pyspark.zip that Spark puts first on its Python workers' path is a
+    copy whose version module says ``version`` (what a cluster installed separately has)."""
+    home = top / f"spark-{version}"
+    (home / "python" / "lib").mkdir(parents=True)
+    for entry in real.iterdir():
+        if entry.name != "python":
+            (home / entry.name).symlink_to(entry)
+    lib = real / "python" / "lib"
+    for entry in lib.iterdir():
+        if entry.name != "pyspark.zip":
+            (home / "python" / "lib" / entry.name).symlink_to(entry)
+    with zipfile.ZipFile(lib / "pyspark.zip") as src, \
+            zipfile.ZipFile(home / "python" / "lib" / "pyspark.zip", "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename == "pyspark/version.py":
+                data = f'__version__: str = "{version}"\n'.encode()
+            dst.writestr(item, data)
+    return home
+
+
+def test_executors_with_another_pyspark_are_one_clear_line(cluster, source, receiver,
+                                                          tmp_path):
+    import pyspark
+    m = source
+    (m.mnt / "otherspark").write_bytes(os.urandom(300_000))
+    m.snapctl("create", "other1")
+    cluster.kill_worker_host()
+    cluster.start_worker(other_pyspark_home(cluster.home, tmp_path, "3.4.1"))
+    try:
+        res = replicate(m, cluster, receiver, "other1", "--stall-timeout", "60s")
+    finally:
+        cluster.kill_worker_host()
+        cluster.start_worker()
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert f"runs pyspark 3.4.1 but this host runs {pyspark.__version__}" in res.stderr
+    assert f"install pyspark=={pyspark.__version__}" in res.stderr, res.stderr
+    assert "other1" not in mirror_snapshots(receiver) and staged_count(receiver.store) == 0

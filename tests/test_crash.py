@@ -367,6 +367,36 @@ def test_an_open_unlinked_file_is_reclaimed_at_the_next_mount(mounted):
     fsck_clean(mounted.store)
 
 
+def test_data_buffered_in_a_file_left_open_is_committed_once_it_expires(make_mount,
+                                                                         monkeypatch):
+    """A file kept open and written without close or fsync (a log, a database): its dirty
+    chunks are committed once they are MOUNTFS_DIRTY_EXPIRE old, so a kill -9 takes at most
+    that much of it (before, they stayed in memory until a close, however long)."""
+    monkeypatch.setenv("MOUNTFS_DIRTY_EXPIRE", "1")
+    m = make_mount()
+    head, tail = os.urandom(300_000), os.urandom(5000)
+    h = open(m.mnt / "open", "wb", buffering=0)
+    h.write(head)                                    # a partial first chunk
+    h.seek((1 << 20) + 4096)
+    h.write(tail)                                    # and a piece of the second
+    chunks = head, bytes(4096) + tail                # as buffered: no zeros past a write
+    digests = {blake3.blake3(c).digest() for c in chunks}
+    deadline = time.monotonic() + 60                 # only keeps a broken expiry from hanging
+    while stored_blobs(m.store, digests) != digests:
+        assert time.monotonic() < deadline, "buffered chunks were never committed"
+        time.sleep(0.2)
+    m.kill9()
+    try:
+        h.close()
+    except OSError:                                  # its mount is gone
+        pass
+    fsck_clean(m.store)
+    m.mount()
+    assert (m.mnt / "open").read_bytes() == head + bytes((1 << 20) - len(head)) + chunks[1]
+    m.umount()
+    fsck_clean(m.store)
+
+
 # ---- kill -9 while many operations share one group commit -----------------------------------
 
 METADATA_WORKLOAD = r'''

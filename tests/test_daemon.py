@@ -70,6 +70,8 @@ def daemon():
 
 def write_config(path: Path, mnt: Path, state: Path, mirror_url: str, token_file: Path,
                  extra_fs: str = "", metrics: str = "") -> Path:
+    admin = token_file.with_name("admin-token")      # the mirror's retention needs it
+    admin_line = f'admin_token_file = "{admin}"' if admin.exists() else ""
     path.write_text(f"""
 [daemon]
 state_dir = "{state}"
@@ -89,7 +91,7 @@ retention = {{ keep_last = 3 }}
 [[filesystem.mirror]]
 url = "{mirror_url}"
 token_file = "{token_file}"
-admin_token_file = "{token_file.with_name('admin-token')}"
+{admin_line}
 retention = {{ keep_last = 2 }}
 """)
     return path

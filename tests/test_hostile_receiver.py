@@ -11,14 +11,17 @@ import functools
 import json
 import socket
 import stat
+import struct
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import blake3
 import httpx
 import pytest
 import zstandard
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from mountfs import buckets, fsck
@@ -166,6 +169,8 @@ def structural_cases(src: Source):
             inodes={new: file_rec.evolve(parent=src.f, name=b"x", nlink=1, size=0)}),
         "directory with children becomes a file": dict(inodes={src.d: rec[src.d].evolve(
             mode=stat.S_IFREG | 0o644, nlink=1)}),
+        "empty directory becomes a file (its parent's nlink)": dict(
+            inodes={src.sub: rec[src.sub].evolve(mode=stat.S_IFREG | 0o644, nlink=1)}),
         "chunks of an inode that does not exist": dict(chunks={5000: {0: digest_of(src)}}),
         "xattrs of an inode that does not exist": dict(xattrs={5000: {b"user.a": b"1"}}),
         "chunks in the virtual range": dict(chunks={1 << 62: {0: digest_of(src)}}),
@@ -227,6 +232,73 @@ def test_bucket_items_is_bounded(world):
     assert any(S.from_u64(i[1:9]) == src.f for i in items)
     assert functools.reduce(buckets.xor, items.values(), buckets.ZERO) == \
         m.bucket_hashes(None)[b]                      # the seeks found every item
+
+
+class BombingMirror(ThreadingHTTPServer):
+    """A hostile mirror for the client side: every POST is answered with ``reply``."""
+
+    def __init__(self, reply: bytes):
+        self.reply = reply
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(h):
+                h.rfile.read(int(h.headers.get("content-length", 0)))
+                h.send_response(200)
+                h.send_header("Content-Length", str(len(self.reply)))
+                h.end_headers()
+                h.wfile.write(self.reply)
+
+            def log_message(h, *args):
+                pass
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def bomb_of(size: int) -> bytes:
+    """A zstd frame whose header declares ``size`` bytes of zeros, made in 1 MiB steps."""
+    c = zstandard.ZstdCompressor(level=3).compressobj(size=size)
+    out = b"".join(c.compress(b"\0" * (1 << 20)) for _ in range(size >> 20))
+    return out + c.flush()
+
+
+@pytest.mark.parametrize("reply,refusal", [
+    (bomb_of(64 << 20), "decompresses to more than"),
+    (b"\0" * (17 << 20), "sent a response over"),
+    (compress_json({"0": {"zz": 5}}), "malformed bucket-items response"),
+    (compress_json([1, 2]), "malformed bucket-items response"),
+    (compress(b"[" * 100000), r"malformed response \(not JSON\)"),
+], ids=["zstd bomb", "raw body over the cap", "bad hex", "not an object", "deep nesting"])
+def test_a_hostile_mirror_cannot_exhaust_the_source(reply, refusal):
+    server = BombingMirror(reply)
+    m = HttpMirror(server.url, TOKEN, max_response=16 << 20)
+    try:
+        with pytest.raises(mirror.MirrorError, match=refusal) as e:
+            m.bucket_items(None, [0])
+        assert "\n" not in str(e.value)
+    finally:
+        m.close()
+        server.shutdown()
+
+
+def test_an_inode_counter_at_the_edge_neither_spins_nor_promotes(tmp_path):
+    """A mirror whose counter came from a hostile peer before commits were bounded: one
+    bucket-items request costs the records stored (was: a loop to the counter), and
+    promote refuses (its next file would take the .snapshot inode)."""
+    src = Source(tmp_path / "m")
+    with src.store.write() as txn:
+        txn.put(b"next_ino", S.u64((1 << 62) - 1), db=src.store.db["meta"])
+        txn.put(b"mirror_of", b"\1" * 16, db=src.store.db["meta"])
+    b = src.f % src.store.bucket_count
+    items = mirror.bucket_items(src.store, None, [b])[b]
+    assert any(S.from_u64(i[1:9]) == src.f for i in items)
+    assert functools.reduce(buckets.xor, items.values(), buckets.ZERO) == \
+        mirror.bucket_hashes(src.store, None)[b]
+    src.store.close()
+    res = subprocess.run([sys.executable, "-m", "mountfs.cli", "promote", str(tmp_path / "m")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "inode counter is beyond" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
 
 
 # ---- 4, 5: bodies and malformed requests ------------------------------------------------
@@ -383,6 +455,21 @@ def test_a_token_file_others_can_read_is_refused(tmp_path):
     assert "Traceback" not in res.stderr and TOKEN not in res.stderr
 
 
+def test_mountfsd_check_warns_about_a_token_others_can_read(tmp_path):
+    from test_daemon import write_config
+    (tmp_path / "mnt").mkdir()
+    for name, mode in (("token", 0o644), ("admin-token", 0o600)):
+        (tmp_path / name).write_text(TOKEN)
+        (tmp_path / name).chmod(mode)
+    config = write_config(tmp_path / "c.toml", tmp_path / "mnt", tmp_path / "state",
+                          "https://backup:8765", tmp_path / "token")
+    res = subprocess.run([sys.executable, "-m", "daemon.cli", "--check", "--config",
+                          str(config)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert f"token_file {tmp_path / 'token'} is readable by group or others" in res.stderr
+    assert "admin_token_file" not in res.stderr
+
+
 def test_plain_http_on_a_network_address_warns(tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
@@ -398,34 +485,60 @@ def test_plain_http_on_a_network_address_warns(tmp_path):
 # ---- random mutations of a valid commit -----------------------------------------------------
 
 def mutations():
-    field = st.sampled_from(["entries", "inodes", "xattrs", "chunks"])
+    """(kind, table, row, depth, number, blob): replace a leaf of the JSON, drop a row, or
+    set one field of an inode record (mostly to values that are plausible somewhere)."""
+    kind = st.sampled_from(["leaf", "drop", "field"])
+    table = st.sampled_from(["entries", "inodes", "xattrs", "chunks"])
     number = st.one_of(st.integers(-2, 2**65), st.sampled_from(
-        [0, 1, 2, 3, 4, 5, 6, (1 << 40) - 1, 1 << 40, (1 << 62) - 1, 1 << 62, 2**64 - 1]))
-    return st.tuples(field, st.integers(0, 50), st.integers(0, 8), number,
+        [0, 1, 2, 3, 4, 5, 6, 900, CHUNK, 2 * CHUNK + 1, stat.S_IFREG | 0o644,
+         stat.S_IFDIR | 0o755, stat.S_IFLNK | 0o777, stat.S_IFIFO | 0o600, 0o170777,
+         (1 << 40) - 1, 1 << 40, (1 << 62) - 1, 1 << 62, 2**64 - 1]))
+    return st.tuples(kind, table, st.integers(0, 50), st.integers(0, 8), number,
                      st.binary(max_size=8))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
+INODE_FIELDS = ("mode", "nlink", "size", "parent", "name", "target", "mepoch", "uid")
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
 @given(mutations())
 def test_random_mutations_are_refused_or_fsck_clean(world, mutation):
     src, r, m = world
-    field, which, depth, number, blob = mutation
+    kind, table, which, depth, number, blob = mutation
     cs = json.loads(json.dumps(src.cs.to_json()))
-    rows = cs[field]
+    rows = cs["inodes" if kind == "field" else table]
     if not rows:
         return
-    row = rows[which % len(rows)]
-    _mutate(row, depth, number, blob)
+    i = which % len(rows)
+    if kind == "drop":
+        del rows[i]
+    elif kind == "field":
+        _set_inode_field(rows[i], INODE_FIELDS[depth % len(INODE_FIELDS)], number, blob)
+    else:
+        _mutate(rows[i], depth, number, blob)
     before = dump(r)
     res = httpx.post(r.url + "/v1/commit", headers=AUTH, content=commit_body(src, m, cs),
                      timeout=60)
     assert res.status_code == 200 or 400 <= res.status_code < 500, res.text
+    event(f"{kind}: {'accepted' if res.status_code == 200 else 'refused'}")
     if res.status_code == 200:
         assert fsck_problems(r) == []
     else:
         assert dump(r) == before
+
+
+def _set_inode_field(row, name: str, number: int, blob: bytes) -> None:
+    """Set one field of the inode record in ``row`` ([ino, base64 record])."""
+    if row[1] is None:
+        return
+    rec = S.Inode.unpack(base64.b64decode(row[1]))
+    value = blob if name in ("name", "target") else number
+    try:
+        row[1] = base64.b64encode(rec.evolve(**{name: value}).pack()).decode()
+    except struct.error:
+        assume(False)                       # not representable in the record
 
 
 def _mutate(row, depth: int, number: int, blob: bytes) -> None:

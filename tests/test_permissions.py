@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,11 +31,14 @@ def outcome(code: str) -> str:
 
 @pytest.fixture(autouse=True)
 def traversable(tmp_path):
-    """Let nobody walk down to the test's mountpoints (pytest's temp dirs are 0700)."""
-    for p in [tmp_path, *tmp_path.parents]:
-        if str(p) in ("/", "/tmp"):
-            break
-        os.chmod(p, os.stat(p).st_mode | 0o011)
+    """Let nobody walk down to the test's mountpoints and to the checkout it runs the code
+    from (pytest's temp dirs are 0700, and so is a checkout made under `mktemp -d`)."""
+    checkout = Path(__file__).resolve().parent.parent
+    for start in (tmp_path, checkout):
+        for p in [start, *start.parents]:
+            if str(p) in ("/", "/tmp", "/var/tmp"):
+                break
+            os.chmod(p, os.stat(p).st_mode | 0o011)
 
 
 @pytest.fixture

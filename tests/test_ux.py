@@ -327,6 +327,7 @@ def test_install_systemd_help_installs_nothing(tmp_path):
 def test_one_parser_for_sizes_and_durations_and_a_thorough_check(tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
+    token.chmod(0o600)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     config = write_config(tmp_path / "data.toml", mnt, tmp_path / "state",
@@ -340,6 +341,7 @@ def test_one_parser_for_sizes_and_durations_and_a_thorough_check(tmp_path):
     assert one_line_error(check(), code=2).endswith(
         f"mirror http://backup:8765: token_file {token} does not exist or cannot be read")
     token.write_text(TOKEN)
+    token.chmod(0o600)
     mnt.rmdir()
     assert one_line_error(check(), code=2).endswith(
         f"filesystem 'data': mountpoint {mnt} does not exist or is not a directory")
