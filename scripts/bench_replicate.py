@@ -52,10 +52,12 @@ class Receiver:
     def __init__(self, store: Path, token_file: Path, chunk_size: str = "1M"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [VENV_BIN / "mountfs", "serve-mirror", store, "--listen", f"127.0.0.1:{self.port}",
-             "--token-file", token_file, "--chunk-size", chunk_size],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.log = store.parent / f"{store.name}.serve-mirror.log"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [VENV_BIN / "mountfs", "serve-mirror", store, "--listen",
+                 f"127.0.0.1:{self.port}", "--token-file", token_file,
+                 "--chunk-size", chunk_size], stdout=log, stderr=log)
         wait_for_port(self.port, self.proc)
 
     def stop(self) -> None:
@@ -436,7 +438,8 @@ def measured_cycle(store: Path, url: str, token: Path, snapshot: str,
     seconds = time.monotonic() - t
     receiver_hwm = status_kib(receiver.proc.pid, "VmHWM")
     if proc.returncode:
-        raise SystemExit(f"replicate failed: {err_path.read_text().strip()}")
+        raise SystemExit(f"replicate failed: {err_path.read_text().strip()} (the receiver's "
+                         f"log: {receiver.log})")
     summary = json.loads(out_path.read_text())
     return {"seconds": seconds, "entries": summary["entries"], "inodes": summary["inodes"],
             "chunks_sent": summary["chunks_sent"],
