@@ -88,10 +88,8 @@ class LocalMirror:
                      snap: mirror.SnapshotRef, transfer: bytes, digests: list[bytes],
                      reconcile: bool = False) -> None:
         """Commit the changeset staged as parts (stage_part), read back part by part."""
-        with self.store.write() as txn:
-            parts = mirror.staged_parts(txn, self.store.db, transfer, digests)
-            mirror.commit(txn, self.store.db, self.store.chunk_size, source_uuid, base_uuid,
-                          snap, parts, reconcile)
+        mirror.commit_staged(self.store, source_uuid, base_uuid, snap, transfer, digests,
+                             reconcile)
         self.store.sync()
         mirror.purge_deleted(self.store)
         self.store.sync()

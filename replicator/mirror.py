@@ -14,6 +14,7 @@ directory cycles, and a mirror that changed since its base.
 from __future__ import annotations
 
 import json
+import os
 import stat
 import time
 from collections import Counter
@@ -164,7 +165,7 @@ def stage_part(txn, dbs, chunk_size: int, transfer: bytes, index: int, raw: byte
 def staged_parts(txn, dbs, transfer: bytes, digests: list[bytes]) -> Parts:
     """The parts a commit names, as a re-iterable stream read from staging: all of them
     present and matching their digests, checked before anything is applied (each part was
-    validated when staged, and apply_parts validates every part again first)."""
+    validated when staged, and every part is validated again before anything is written)."""
     if not 0 < len(digests) <= MAX_PARTS:
         raise MirrorError(f"a commit names 1..{MAX_PARTS} changeset parts, not "
                           f"{len(digests)}")
@@ -176,12 +177,12 @@ def staged_parts(txn, dbs, transfer: bytes, digests: list[bytes]) -> Parts:
         if blake3.blake3(raw).digest() != bytes(digest):
             raise MirrorError(f"changeset part {index} of transfer {transfer.hex()} does not "
                               f"match the digest the commit names")
+    return lambda: (load_part(txn, dbs, transfer, i) for i in range(len(digests)))
 
-    def load():
-        for index in range(len(digests)):
-            raw = txn.get(part_key(transfer, index), db=dbs["blobs"])
-            yield Changeset.from_json(json.loads(bytes(raw)))
-    return load
+
+def load_part(txn, dbs, transfer: bytes, index: int) -> Changeset:
+    raw = txn.get(part_key(transfer, index), db=dbs["blobs"])
+    return Changeset.from_json(json.loads(bytes(raw)))
 
 
 # ---- what the mirror holds ----------------------------------------------------------------
@@ -190,7 +191,7 @@ def info(store: Store) -> dict:
     """Identity, chunk size, snapshots, and whether the live tree changed since each."""
     with store.read() as txn:
         dbs = store.db
-        live = snaps.live_epoch(txn, dbs)
+        live = snaps.readable_live_epoch(txn, dbs)
         root = View(txn, dbs, live, store.chunk_size).get(S.ROOT_INO)
         source = txn.get(b"mirror_of", db=dbs["meta"])
         return {
@@ -221,13 +222,87 @@ def commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
     staged_parts) and take ``snapshot``, in the caller's one write transaction (an
     exception aborts all of it). ``reconcile``: there is no base and ``cs`` was computed
     against the mirror's live tree by bucket comparison."""
-    live_epoch = snaps.live_epoch(txn, dbs)
-    _check_base(txn, dbs, chunk_size, live_epoch, source_uuid, base_uuid, reconcile)
+    _check_commit(txn, dbs, chunk_size, source_uuid, base_uuid, snapshot, reconcile)
+    apply_parts(Live(txn, dbs, snaps.live_epoch(txn, dbs), chunk_size),
+                cs if callable(cs) else (lambda: iter([cs])))
+    return _take_snapshot(txn, dbs, chunk_size, source_uuid, snapshot)
+
+
+def commit_batch_records() -> int:
+    """Records one transaction of a large commit applies at most: what bounds the receiver's
+    memory (LMDB keeps a transaction's written pages in memory until it commits)."""
+    return int(os.environ.get("MOUNTFS_COMMIT_BATCH", 200_000))
+
+
+def commit_staged(store: Store, source_uuid: bytes, base_uuid: str | None,
+                  snapshot: SnapshotRef, transfer: bytes, digests: list[bytes],
+                  reconcile: bool = False) -> S.Snapshot:
+    """Commit a changeset staged as parts. One of at most commit_batch_records() records is
+    applied and snapshotted in one transaction (as commit does). A larger one in several,
+    so that memory is bounded by a transaction's worth of parts, not by the change: the
+    first checks the preconditions and every part and opens an undoable change of the live
+    tree (snapshots.begin_undoable); the writing steps then run over a few parts per
+    transaction; the last finishes, checks and takes the snapshot. Until then no snapshot
+    changes and only the live tree is half-applied; a refusal puts it back at once, a crash
+    at the next open of the store (snapshots.undo_interrupted)."""
+    dbs, batch, steps = store.db, commit_batch_records(), _Apply(store.chunk_size)
+    with store.write() as txn:
+        snaps.undo_interrupted(txn, dbs, store.chunk_size)
+        parts = staged_parts(txn, dbs, transfer, digests)
+        base = _check_commit(txn, dbs, store.chunk_size, source_uuid, base_uuid, snapshot,
+                             reconcile)
+        live = Live(txn, dbs, snaps.live_epoch(txn, dbs), store.chunk_size)
+        for step in steps.reading_steps():
+            for cs in parts():
+                step(live, cs)
+        if sum(cs.records() for cs in parts()) <= batch:
+            for step in steps.writing_steps():
+                for cs in parts():
+                    step(live, cs)
+            steps.finish(live, parts)
+            return _take_snapshot(txn, dbs, store.chunk_size, source_uuid, snapshot)
+        snaps.begin_undoable(txn, dbs, base)
+    try:
+        for step in steps.writing_steps():
+            _in_batches(store, transfer, len(digests), step, batch)
+        with store.write() as txn:
+            live = Live(txn, dbs, snaps.live_epoch(txn, dbs), store.chunk_size)
+            steps.finish(live, staged_parts(txn, dbs, transfer, digests))
+            snaps.end_undoable(txn, dbs)
+            return _take_snapshot(txn, dbs, store.chunk_size, source_uuid, snapshot)
+    except BaseException:
+        with store.write() as txn:
+            snaps.undo_interrupted(txn, dbs, store.chunk_size)
+        raise
+
+
+def _in_batches(store: Store, transfer: bytes, count: int, step, batch: int) -> None:
+    """``step`` over every staged part, in transactions of about ``batch`` records."""
+    index = 0
+    while index < count:
+        with store.write() as txn:
+            live = Live(txn, store.db, snaps.live_epoch(txn, store.db), store.chunk_size)
+            records = 0
+            while index < count and records < batch:
+                cs = load_part(txn, store.db, transfer, index)
+                step(live, cs)
+                records += cs.records()
+                index += 1
+
+
+def _check_commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
+                  snapshot: SnapshotRef, reconcile: bool) -> S.Snapshot | None:
+    """The preconditions of a commit; the base snapshot, if any."""
+    base = _check_base(txn, dbs, chunk_size, snaps.live_epoch(txn, dbs), source_uuid,
+                       base_uuid, reconcile)
     for s in snaps.list_all(txn, dbs):
         if s.name == snapshot.name or s.uuid.hex() == snapshot.uuid:
             raise MirrorError(f"the mirror already has snapshot {s.name!r}")
-    live = Live(txn, dbs, live_epoch, chunk_size)
-    apply_parts(live, cs if callable(cs) else (lambda: iter([cs])))
+    return base
+
+
+def _take_snapshot(txn, dbs, chunk_size: int, source_uuid: bytes,
+                   snapshot: SnapshotRef) -> S.Snapshot:
     txn.put(b"mirror_of", source_uuid, db=dbs["meta"])
     gc.settle_purges(txn, dbs, chunk_size)
     snap = snaps.create(txn, dbs, snapshot.name, snap_uuid=bytes.fromhex(snapshot.uuid),
@@ -237,7 +312,7 @@ def commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
 
 
 def _check_base(txn, dbs, chunk_size: int, live_epoch: int, source_uuid: bytes,
-                base_uuid: str | None, reconcile: bool) -> None:
+                base_uuid: str | None, reconcile: bool) -> S.Snapshot | None:
     mirror_of = txn.get(b"mirror_of", db=dbs["meta"])
     if mirror_of is not None and bytes(mirror_of) != source_uuid:
         raise MirrorError(f"the mirror holds another store ({bytes(mirror_of).hex()}), "
@@ -246,7 +321,7 @@ def _check_base(txn, dbs, chunk_size: int, live_epoch: int, source_uuid: bytes,
         if not reconcile and not _is_empty(txn, dbs, live_epoch, chunk_size):
             raise MirrorError("the mirror is not empty and shares no snapshot with the "
                               "source; a full copy needs an empty mirror")
-        return
+        return None
     base = next((s for s in snaps.list_all(txn, dbs) if s.uuid.hex() == base_uuid), None)
     if base is None:
         raise MirrorError(f"the mirror no longer has the base snapshot ({base_uuid})")
@@ -254,6 +329,7 @@ def _check_base(txn, dbs, chunk_size: int, live_epoch: int, source_uuid: bytes,
     if _changed_since(txn, dbs, root, base):
         raise MirrorError(f"the mirror has changed since its copy of base snapshot "
                           f"{base.name!r}; pass --force to roll it back to the base")
+    return base
 
 
 def _changed_since(txn, dbs, root: S.Inode, snap: S.Snapshot) -> bool:
@@ -274,15 +350,7 @@ def rollback_to(txn, dbs, chunk_size: int, base_uuid: str) -> None:
     if base is None:
         raise MirrorError(f"the mirror does not have the base snapshot ({base_uuid})")
     snaps.rollback(txn, dbs, chunk_size, base, force=True)
-    _mark_clean(txn, dbs, base)
-
-
-def _mark_clean(txn, dbs, base: S.Snapshot) -> None:
-    """The live tree was just made equal to ``base``: close the live epoch so that it counts
-    as unchanged since ``base`` until something writes again."""
-    epoch = snaps.live_epoch(txn, dbs)
-    txn.put(b"rolled_back_to", S.u64(epoch) + base.uuid, db=dbs["meta"])
-    txn.put(b"live_epoch", S.u64(epoch + 1), db=dbs["meta"])
+    snaps.mark_equal(txn, dbs, base)
 
 
 def _drop_staged(txn, dbs) -> None:
@@ -315,69 +383,111 @@ def apply(live: Live, cs: Changeset) -> None:
 def apply_parts(live: Live, parts: Parts) -> None:
     """Make the live tree hold every TO value of the changeset whose parts ``parts()``
     yields (a fresh iterator each call: a part is read again for each step rather than all
-    of them held). In DistCp's order across all parts: entries that go away or change first
-    (deletes and rename sources), then inodes that are gone, then new entries (creates and
-    rename targets), then records, then xattrs and chunks; then the checks against the
-    store's state. What is held across parts is inode numbers only (directories whose
-    entries changed, displaced inodes, subdirectory counts of directories, and, when
-    something is dropped, the inodes named)."""
-    for cs in parts():
-        _validate(cs, live.chunk_size)
-    subdirs = _Subdirs()
-    for cs in parts():
-        subdirs.note_before(live, cs)
-    parents, detached, dropping = set(), set(), False
-    for cs in parts():
+    of them held), in one transaction: each step of _Apply over every part, then its
+    finish."""
+    steps = _Apply(live.chunk_size)
+    for step in steps.steps():
+        for cs in parts():
+            step(live, cs)
+    steps.finish(live, parts)
+
+
+class _Apply:
+    """One commit's steps, in DistCp's order across all parts: entries that go away or
+    change first (deletes and rename sources), then inodes that are gone, then new entries
+    (creates and rename targets), then records, then xattrs and chunks; the finish then
+    raises the epochs of the directories whose entries changed and checks everything against
+    the store's state. Each step is called with (live tree, part) for every part in turn,
+    in one transaction or in several (commit_staged). What the commit carries between parts
+    is inode numbers only: directories whose entries changed, displaced inodes, subdirectory
+    counts of directories, and, when something is dropped, the inodes the changeset names."""
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+        self.parents: set[int] = set()
+        self.detached: set[int] = set()
+        self.subdirs = _Subdirs()
+        self.named: set[int] | None = None     # a set once any part drops an inode
+
+    def reading_steps(self) -> list:
+        """Steps that only read the tree: every part is checked before the tree changes."""
+        return [self.check, self.collect_named]
+
+    def writing_steps(self) -> list:
+        return [self.unlink, self.drop, self.link, self.records, self.content, self.settle]
+
+    def steps(self) -> list:
+        return self.reading_steps() + self.writing_steps()
+
+    def check(self, live: Live, cs: Changeset) -> None:
+        """Validates a part, and raises the inode counter first (fsck checks every version
+        of a half-applied commit against it too)."""
+        _validate(cs, self.chunk_size)
+        _raise_next_ino(live, cs)
+        self.subdirs.note_before(live, cs)
+        if self.named is None and any(rec is None for rec in cs.inodes.values()):
+            self.named = set()
+
+    def collect_named(self, live: Live, cs: Changeset) -> None:
+        if self.named is not None:
+            self.named.update(cs.inodes)
+
+    def unlink(self, live: Live, cs: Changeset) -> None:
         for (d, name), child in cs.entries.items():
             now = live.lookup(d, name)
             if now is not None and now != child:
                 live.delete_dirent(d, name)
-                parents.add(d)
-                detached.add(now)
-        dropping = dropping or any(rec is None for rec in cs.inodes.values())
-    if dropping:
-        named = {x for cs in parts() for x in cs.inodes}
-        for cs in parts():
-            for x, rec in cs.inodes.items():
-                if rec is None and live.inode(x) is not None:
-                    _drop(live, x, named)
-    for cs in parts():
+                self.parents.add(d)
+                self.detached.add(now)
+
+    def drop(self, live: Live, cs: Changeset) -> None:
+        if self.named is None:
+            return
+        for x, rec in cs.inodes.items():
+            if rec is None and live.inode(x) is not None:
+                _drop(live, x, self.named)
+
+    def link(self, live: Live, cs: Changeset) -> None:
         for (d, name), child in cs.entries.items():
             if child is not None and live.lookup(d, name) != child:
                 live.put_dirent(d, name, child)
-                parents.add(d)
-    for cs in parts():
+                self.parents.add(d)
+
+    def records(self, live: Live, cs: Changeset) -> None:
         for x, rec in cs.inodes.items():
             if rec is not None:
                 put_live(live.txn, live.db["inodes"], S.inode_key(x),
                          rec.evolve(mepoch=live.live).pack(), live.live)
-        _raise_next_ino(live, cs)
-    for cs in parts():
+
+    def content(self, live: Live, cs: Changeset) -> None:
         for x, xattrs in cs.xattrs.items():
             _set_xattrs(live, x, xattrs)
         for x, leaves in cs.chunks.items():
             for index, value in leaves.items():
                 _set_chunk(live, x, index, value)
-    for cs in parts():
-        _check_tree(live, cs, [c for c in cs.entries.values() if c is not None])
-    for cs in parts():
+
+    def settle(self, live: Live, cs: Changeset) -> None:
+        """The epochs of what one part changed, up to the root."""
         for x in sorted(x for x, r in cs.inodes.items() if r is not None):
             live.propagate(x)
-    for x in sorted(parents):
-        live.propagate(x)
-    for cs in parts():
         for x in sorted((cs.xattrs.keys() | cs.chunks.keys()) - cs.inodes.keys()):
             if live.inode(x) is not None:
                 live.touch(x)     # content-only changes raise the epochs too
-    for x in sorted(parents):
-        if live.inode(x) is not None:
-            live.touch(x)         # as do entry-only ones
-    for cs in parts():
-        subdirs.count_arrivals(live, cs)
-    for cs in parts():
-        _check_invariants(live, cs, set(), subdirs)
-    _check_invariants(live, Changeset(), parents | detached | subdirs.retyped_parents,
-                      subdirs)
+
+    def finish(self, live: Live, parts: Parts) -> None:
+        for x in sorted(self.parents):
+            live.propagate(x)
+        for x in sorted(self.parents):
+            if live.inode(x) is not None:
+                live.touch(x)     # as do entry-only ones
+        for cs in parts():
+            self.subdirs.count_arrivals(live, cs)
+        for cs in parts():
+            _check_tree(live, cs, [c for c in cs.entries.values() if c is not None])
+            _check_invariants(live, cs, set(), self.subdirs)
+        _check_invariants(live, Changeset(),
+                          self.parents | self.detached | self.subdirs.retyped_parents,
+                          self.subdirs)
 
 
 class _Subdirs:
@@ -596,7 +706,7 @@ def _check_tree(live: Live, cs: Changeset, arrived_dirs: list[int]) -> None:
 def epoch_of(txn, dbs, snap_uuid: str | None) -> int:
     """The epoch to compare at: a snapshot's (by uuid), or the live tree's (None)."""
     if snap_uuid is None:
-        return snaps.live_epoch(txn, dbs)
+        return snaps.readable_live_epoch(txn, dbs)
     for s in snaps.list_all(txn, dbs):
         if s.uuid.hex() == snap_uuid:
             return s.epoch
@@ -658,7 +768,7 @@ def repair(txn, dbs, chunk_size: int, base_uuid: str, cs: Changeset) -> None:
         raise MirrorError("repair works on the mirror's newest snapshot only; older "
                           "snapshots are immutable")
     apply(Live(txn, dbs, snaps.live_epoch(txn, dbs), chunk_size), cs)
-    _mark_clean(txn, dbs, newest[0])
+    snaps.mark_equal(txn, dbs, newest[0])
 
 
 # ---- reading back (restore --from) ----------------------------------------------------------

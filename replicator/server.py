@@ -250,7 +250,8 @@ class Receiver:
 
     async def commit_parts(self, request: Request):
         """Apply the parts the request names (each present and matching its digest) and
-        take the snapshot, in one write transaction."""
+        take the snapshot: atomically for every snapshot, in as many transactions as memory
+        needs (mirror.commit_staged)."""
         req = await self.json(request)
         snap = _snapshot_ref(req.get("snapshot"))
         transfer = _hex_id(_string(req, "transfer"))
@@ -259,14 +260,14 @@ class Receiver:
             raise ValueError(f"parts must be a list of 1..{mirror.MAX_PARTS} digests")
         digests = [_digest(d) for d in names]
 
-        def work(txn, dbs):
-            parts = mirror.staged_parts(txn, dbs, transfer, digests)
-            return mirror.commit(txn, dbs, self.store.chunk_size, _uuid(req, "source_uuid"),
-                                 _uuid_hex(req, "base_uuid"), snap, parts,
+        def work():
+            mirror.commit_staged(self.store, _uuid(req, "source_uuid"),
+                                 _uuid_hex(req, "base_uuid"), snap, transfer, digests,
                                  bool(req.get("reconcile")))
-        await self.write(work)
+            self.store.sync()
+            mirror.purge_deleted(self.store)
         async with self.write_lock:
-            await trio.to_thread.run_sync(mirror.purge_deleted, self.store)
+            await trio.to_thread.run_sync(work)
         log.info("committed snapshot %s (%d changeset parts)", snap.name, len(digests))
         return JSONResponse({"ok": True})
 
@@ -465,7 +466,10 @@ async def serve(store: Store, token: str, listen: str, certfile: str | None = No
     config.accesslog = None
     config.errorlog = log
     log.addFilter(_peer_gone)
-    config.read_timeout = max(30, int(limits.body_seconds))  # a silent peer is dropped
+    # No read timeout: hypercorn's would also cut a client that waits, silent, for a long
+    # commit (a million-file first copy takes minutes). An idle peer is dropped after
+    # keep_alive_timeout all the same, and a slow body by Receiver.body's rate.
+    config.read_timeout = None
     app = make_app(Receiver(store, token, admin_token, limits))
     await hypercorn_serve(app, config, shutdown_trigger=trio.sleep_forever,
                           task_status=task_status)

@@ -52,8 +52,22 @@ def staged_parts(store_path: Path) -> int:
 
 # ---- a changeset of many parts, over HTTP and to a file:// mirror ---------------------------
 
-def test_a_changeset_of_many_parts_replicates_equal_over_http(mounted, receiver, tmp_path):
+# A commit of more records than MOUNTFS_COMMIT_BATCH is applied in several transactions
+# (an undoable change of the live tree, snapshotted in the last); the default, in one.
+BATCHES = pytest.mark.parametrize("batch", [None, 60], ids=["one-transaction", "batched"])
+
+
+def commit_batch(monkeypatch, batch: int | None) -> None:
+    """Records per commit transaction, for the receivers and file:// mirrors started next."""
+    if batch is not None:
+        monkeypatch.setenv("MOUNTFS_COMMIT_BATCH", str(batch))
+
+
+@BATCHES
+def test_a_changeset_of_many_parts_replicates_equal_over_http(mounted, receiver, tmp_path,
+                                                              monkeypatch, batch):
     m = mounted
+    commit_batch(monkeypatch, batch)
     r = receiver()
     populate(m.mnt)
     many_files(m.mnt, 300, "a")
@@ -75,8 +89,10 @@ def test_a_changeset_of_many_parts_replicates_equal_over_http(mounted, receiver,
     assert_mirror_equals(m, tmp_path / "mirror", "s2", tmp_path)
 
 
-def test_a_file_mirror_takes_the_same_parts(mounted, tmp_path):
+@BATCHES
+def test_a_file_mirror_takes_the_same_parts(mounted, tmp_path, monkeypatch, batch):
     m, mirror = mounted, tmp_path / "mirror"
+    commit_batch(monkeypatch, batch)
     populate(m.mnt)
     many_files(m.mnt, 150, "a")
     m.snapctl("create", "s1")
@@ -208,6 +224,74 @@ def test_kill_9_during_the_commit(mounted, receiver, tmp_path, side):
     assert_at_base_then_converges(mounted, r, tmp_path, allow_new=True)
 
 
+def undo_mark(mirror: Path) -> bytes | None:
+    """The mark of a commit under way in several transactions (or cut short), if any."""
+    from mountfs.snapshots import UNDO_MARK
+    try:
+        store = Store.open(mirror, readonly=True, lock=False)
+    except Exception:
+        return None
+    try:
+        with store.read() as txn:
+            raw = txn.get(UNDO_MARK, db=store.db["meta"])
+            return bytes(raw) if raw is not None else None
+    finally:
+        store.close()
+
+
+def test_kill_9_of_the_receiver_inside_a_commit_of_many_transactions(mounted, receiver,
+                                                                      tmp_path, monkeypatch):
+    """Killed while a batched commit has written some of its transactions: fsck is clean,
+    the mirror reads as the base everywhere (snapshots and its live tree), the next open
+    undoes the half-applied live tree, and a re-run converges."""
+    commit_batch(monkeypatch, 7)
+    r = receiver()
+    base_and_change(mounted, r.url)
+    proc = start_client(mounted, r.url, "s1", part_records=5)
+    deadline = time.monotonic() + 240
+    while undo_mark(tmp_path / "mirror") is None:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "the commit never began"
+    time.sleep(0.1)                       # a few of its transactions are committed
+    r.kill9()
+    assert proc.wait(timeout=120) != 0
+    assert undo_mark(tmp_path / "mirror") is not None, "the commit ended before the kill"
+    assert_at_base_then_converges(mounted, r, tmp_path)
+    assert "undid a change of the live tree that was cut short" in r.log()
+    assert undo_mark(tmp_path / "mirror") is None
+
+
+def test_a_batched_commit_refused_at_its_last_check_leaves_the_mirror_as_it_was(
+        mounted, receiver, tmp_path, monkeypatch):
+    """Every part is valid on its own; only the finished tree is wrong (a name linked to
+    an inode no part carries). The refusal comes after transactions were written: the
+    live tree is put back at once and nothing else changed."""
+    commit_batch(monkeypatch, 5)
+    r = receiver()
+    populate(mounted.mnt)
+    mounted.snapctl("create", "s0")
+    send_http(mounted, r.url, "s0", inline_bytes=1 << 40)
+    before = mirror_info(tmp_path / "mirror")
+    transfer = os.urandom(16).hex()
+    parts = [part_json(Changeset(entries={(1, b"new%d" % (i * 10 + j)): None
+                                          for j in range(10)})) for i in range(3)]
+    parts.append(part_json(Changeset(entries={(1, b"dangling"): 999})))
+    for i, raw in enumerate(parts):
+        res = httpx.post(f"{r.url}/v1/parts/{transfer}/{i}", headers=AUTH, content=zstd(raw),
+                         timeout=60)
+        assert res.status_code == 200, res.text
+    body = commit_body(transfer, [blake3.blake3(p).digest() for p in parts],
+                       source_uuid=before["mirror_of"],
+                       base_uuid=before["snapshots"][0]["uuid"])
+    res = httpx.post(f"{r.url}/v1/commit-parts", headers=AUTH, content=body, timeout=60)
+    assert res.status_code == 409 and "inode 999" in res.json()["error"], res.text
+    r.stop()
+    assert undo_mark(tmp_path / "mirror") is None
+    after = mirror_info(tmp_path / "mirror")
+    assert after["snapshots"] == before["snapshots"]       # not changed since s0 either
+    assert_mirror_equals(mounted, tmp_path / "mirror", "s0", tmp_path)
+
+
 # ---- hostile parts get 4xx and change nothing -----------------------------------------------
 
 def zstd(raw: bytes) -> bytes:
@@ -218,12 +302,12 @@ def part_json(cs: Changeset) -> bytes:
     return json.dumps(cs.to_json()).encode()
 
 
-def commit_body(transfer: str, digests: list) -> bytes:
-    return zstd(json.dumps({
-        "source_uuid": "11" * 16, "base_uuid": None, "reconcile": False,
-        "snapshot": {"name": "evil", "uuid": "22" * 16, "created_ns": 1},
-        "transfer": transfer,
-        "parts": [d.hex() if isinstance(d, bytes) else d for d in digests]}).encode())
+def commit_body(transfer: str, digests: list, **fields) -> bytes:
+    body = {"source_uuid": "11" * 16, "base_uuid": None, "reconcile": False,
+            "snapshot": {"name": "evil", "uuid": "22" * 16, "created_ns": 1},
+            "transfer": transfer,
+            "parts": [d.hex() if isinstance(d, bytes) else d for d in digests]}
+    return zstd(json.dumps({**body, **fields}).encode())
 
 
 def test_hostile_parts_get_4xx_and_change_nothing(receiver, tmp_path):
