@@ -396,8 +396,9 @@ class _Apply:
     """One commit's steps, in DistCp's order across all parts: entries that go away or
     change first (deletes and rename sources), then inodes that are gone, then new entries
     (creates and rename targets), then records, then xattrs and chunks; the finish then
-    raises the epochs of the directories whose entries changed and checks everything against
-    the store's state. Each step is called with (live tree, part) for every part in turn,
+    checks the names, raises the epochs of what changed (up to the root) and checks the
+    tree rules against the store's state. The finish writes what directories and records
+    of content-only changes take, not the change's bulk. Each step is called with (live tree, part) for every part in turn,
     in one transaction or in several (commit_staged). What the commit carries between parts
     is inode numbers only: directories whose entries changed, displaced inodes, subdirectory
     counts of directories, and, when something is dropped, the inodes the changeset names."""
@@ -414,7 +415,7 @@ class _Apply:
         return [self.check, self.collect_named]
 
     def writing_steps(self) -> list:
-        return [self.unlink, self.drop, self.link, self.records, self.content, self.settle]
+        return [self.unlink, self.drop, self.link, self.records, self.content]
 
     def steps(self) -> list:
         return self.reading_steps() + self.writing_steps()
@@ -475,6 +476,12 @@ class _Apply:
                 live.touch(x)     # content-only changes raise the epochs too
 
     def finish(self, live: Live, parts: Parts) -> None:
+        """Every name the commit links must lead to an inode it carries before any epoch is
+        raised along it; then the epochs; then the tree rules."""
+        for cs in parts():
+            _check_tree(live, cs, [c for c in cs.entries.values() if c is not None])
+        for cs in parts():
+            self.settle(live, cs)
         for x in sorted(self.parents):
             live.propagate(x)
         for x in sorted(self.parents):
@@ -483,7 +490,6 @@ class _Apply:
         for cs in parts():
             self.subdirs.count_arrivals(live, cs)
         for cs in parts():
-            _check_tree(live, cs, [c for c in cs.entries.values() if c is not None])
             _check_invariants(live, cs, set(), self.subdirs)
         _check_invariants(live, Changeset(),
                           self.parents | self.detached | self.subdirs.retyped_parents,
