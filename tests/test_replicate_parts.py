@@ -1,6 +1,6 @@
 """The changeset travels in bounded parts (issue 11 point 3): staged on the receiver under
-the cycle's transfer id, named by digest in the commit, applied part by part in the one
-commit transaction. A real ``mountfs serve-mirror`` on loopback, real mounts; Spark kept
+the cycle's transfer id, named by digest in the commit, applied part by part: in one
+transaction, or, past MOUNTFS_COMMIT_BATCH records, in several with the snapshot in the last. A real ``mountfs serve-mirror`` on loopback, real mounts; Spark kept
 out (every transfer is small enough to go from the source process)."""
 
 from __future__ import annotations
