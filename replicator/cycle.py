@@ -101,7 +101,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
         if reconciling and info["buckets"] != source.bucket_count:
             raise MirrorError("the mirror shares no snapshot with this source and keeps "
                               "another number of buckets; replicate into an empty mirror")
-        sender = _Sender(source, mirror, batch_bytes, inline_bytes, progress)
+        sender = _Sender(source, mirror, batch_bytes, inline_bytes, progress, phase)
         with source.read() as txn:
             parts = changeset.split(reconcile(source, mirror, snap), part_records) \
                 if reconciling else changeset.parts(txn, source.db, source.chunk_size,
@@ -143,8 +143,9 @@ class _Sender:
     from this process while they total at most ``inline_bytes``; beyond that they are kept
     (digest and length only) for one Spark job after the last part."""
 
-    def __init__(self, source: Store, mirror, batch_bytes: int, inline_bytes: int, progress):
-        self.source, self.mirror = source, mirror
+    def __init__(self, source: Store, mirror, batch_bytes: int, inline_bytes: int, progress,
+                 phase):
+        self.source, self.mirror, self.phase = source, mirror, phase
         self.batch_bytes, self.inline_left, self.progress = batch_bytes, inline_bytes, progress
         self.transfer = os.urandom(16)
         self.digests: list[bytes] = []
@@ -155,6 +156,9 @@ class _Sender:
     def part(self, part: changeset.Changeset) -> None:
         wanted = part.digests()
         self.wanted_bytes += sum(wanted.values())
+        if wanted:
+            later = f" (part {len(self.digests) + 1})" if self.digests else ""
+            self.phase(f"asking the mirror which of {len(wanted)} chunks it lacks{later}")
         todo = [(d, wanted[d]) for d in self.mirror.missing(list(wanted))
                 if d not in self.pending] if wanted else []
         nbytes = sum(n for _, n in todo)

@@ -234,9 +234,16 @@ def commit_batch_records() -> int:
     return int(os.environ.get("MOUNTFS_COMMIT_BATCH", 200_000))
 
 
+@dataclass
+class Committed:
+    snapshot: S.Snapshot
+    entries: int            # names the commit changed
+    inodes: int             # inodes it changed
+
+
 def commit_staged(store: Store, source_uuid: bytes, base_uuid: str | None,
                   snapshot: SnapshotRef, transfer: bytes, digests: list[bytes],
-                  reconcile: bool = False) -> S.Snapshot:
+                  reconcile: bool = False) -> Committed:
     """Commit a changeset staged as parts. One of at most commit_batch_records() records is
     applied and snapshotted in one transaction (as commit does). A larger one in several,
     so that memory is bounded by a transaction's worth of parts, not by the change: the
@@ -260,7 +267,8 @@ def commit_staged(store: Store, source_uuid: bytes, base_uuid: str | None,
                 for cs in parts():
                     step(live, cs)
             steps.finish(live, parts)
-            return _take_snapshot(txn, dbs, store.chunk_size, source_uuid, snapshot)
+            return Committed(_take_snapshot(txn, dbs, store.chunk_size, source_uuid, snapshot),
+                             steps.entries, steps.inodes)
         snaps.begin_undoable(txn, dbs, base)
     try:
         for step in steps.writing_steps():
@@ -269,7 +277,8 @@ def commit_staged(store: Store, source_uuid: bytes, base_uuid: str | None,
             live = Live(txn, dbs, snaps.live_epoch(txn, dbs), store.chunk_size)
             steps.finish(live, staged_parts(txn, dbs, transfer, digests))
             snaps.end_undoable(txn, dbs)
-            return _take_snapshot(txn, dbs, store.chunk_size, source_uuid, snapshot)
+            return Committed(_take_snapshot(txn, dbs, store.chunk_size, source_uuid, snapshot),
+                             steps.entries, steps.inodes)
     except BaseException:
         with store.write() as txn:
             snaps.undo_interrupted(txn, dbs, store.chunk_size)
@@ -409,6 +418,7 @@ class _Apply:
         self.detached: set[int] = set()
         self.subdirs = _Subdirs()
         self.named: set[int] | None = None     # a set once any part drops an inode
+        self.entries = self.inodes = 0          # what the commit changes, for its log line
 
     def reading_steps(self) -> list:
         """Steps that only read the tree: every part is checked before the tree changes."""
@@ -426,6 +436,8 @@ class _Apply:
         _validate(cs, self.chunk_size)
         _raise_next_ino(live, cs)
         self.subdirs.note_before(live, cs)
+        self.entries += len(cs.entries)
+        self.inodes += len(cs.inodes)
         if self.named is None and any(rec is None for rec in cs.inodes.values()):
             self.named = set()
 

@@ -261,14 +261,16 @@ class Receiver:
         digests = [_digest(d) for d in names]
 
         def work():
-            mirror.commit_staged(self.store, _uuid(req, "source_uuid"),
-                                 _uuid_hex(req, "base_uuid"), snap, transfer, digests,
-                                 bool(req.get("reconcile")))
+            done = mirror.commit_staged(self.store, _uuid(req, "source_uuid"),
+                                        _uuid_hex(req, "base_uuid"), snap, transfer, digests,
+                                        bool(req.get("reconcile")))
             self.store.sync()
             mirror.purge_deleted(self.store)
+            return done
         async with self.write_lock:
-            await trio.to_thread.run_sync(work)
-        log.info("committed snapshot %s (%d changeset parts)", snap.name, len(digests))
+            done = await trio.to_thread.run_sync(work)
+        log.info("committed snapshot %s (%d names and %d inodes changed) from %d changeset "
+                 "parts", snap.name, done.entries, done.inodes, len(digests))
         return JSONResponse({"ok": True})
 
     async def rollback(self, request: Request):

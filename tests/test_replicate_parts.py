@@ -42,8 +42,9 @@ def many_files(root: Path, n: int, tag: str) -> None:
 
 def committed_parts(log: str) -> list[int]:
     """The part counts of the commits the receiver logged."""
-    return [int(n) for n in re.findall(r"committed snapshot \S+ \((\d+) changeset parts\)",
-                                       log)]
+    return [int(n) for n in re.findall(
+        r"committed snapshot \S+ \(\d+ names and \d+ inodes changed\) from (\d+) "
+        r"changeset parts", log)]
 
 
 def staged_parts(store_path: Path) -> int:
