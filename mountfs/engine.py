@@ -101,7 +101,8 @@ class Engine:
         with self.store.read() as txn:
             if epoch is None:
                 # a read-only mount follows a store another process writes (a mirror)
-                epoch = self.store.live_epoch(txn) if self.store.readonly else self.live
+                epoch = snapshots.readable_live_epoch(txn, self.db) if self.store.readonly \
+                    else self.live
             elif txn.get(S.u64(epoch), db=self.db["snapepochs"]) is None:
                 # A snapshot deleted while the kernel still holds its inodes (an open file,
                 # a cwd): GC is reclaiming its versions, so what is left would read as holes

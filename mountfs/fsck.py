@@ -24,7 +24,7 @@ import blake3
 from . import buckets, invariants
 from . import schema as S
 from .namespace import View
-from .snapshots import list_all, live_epoch
+from .snapshots import interrupted_at, list_all, live_epoch
 from .store import Store, iter_visible
 
 
@@ -54,11 +54,19 @@ def check(store: Store, progress=None) -> Report:
             say(f"checking snapshot {snap.name} (epoch {snap.epoch})")
             _check_tree(View(txn, dbs, snap.epoch, store.chunk_size), report,
                         f"snapshot {snap.name}", live=False)
-        say("checking the live tree")
-        _check_tree(View(txn, dbs, live, store.chunk_size), report, "live tree", live=True)
+        before = interrupted_at(txn, dbs)
+        if before is None:
+            say("checking the live tree")
+            _check_tree(View(txn, dbs, live, store.chunk_size), report, "live tree",
+                        live=True)
+        else:
+            say("a change of the live tree was cut short (a mirror's commit): checking the "
+                "live tree as it was before it, which the next writer puts back")
+            _check_tree(View(txn, dbs, before, store.chunk_size), report, "live tree",
+                        live=False)
         say("checking bucket hashes")
         for name, epoch in [(f"snapshot {s.name}", s.epoch) for s in snaps] + \
-                [("live tree", live)]:
+                [("live tree", live if before is None else before)]:
             _check_buckets(txn, dbs, epoch, store.bucket_count, name, report)
         say("checking chunk data")
         _check_chunks(txn, dbs, store.chunk_size, report)
@@ -174,6 +182,8 @@ def _check_chunks(txn, dbs, chunk_size: int, report: Report) -> None:
     blobs = 0
     for key, data in txn.cursor(db=dbs["blobs"]):
         key = bytes(key)
+        if len(key) != S.DIGEST_SIZE and txn.get(key, db=dbs["staged"]) is not None:
+            continue              # a changeset part staged on a mirror, not a chunk
         blobs += 1
         if key not in stored and txn.get(key, db=dbs["staged"]) is None:
             report.problems.append(f"chunk {key.hex()[:16]}: stored but unreferenced")

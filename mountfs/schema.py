@@ -26,6 +26,8 @@ meta      unversioned  b'format' -> u32 FORMAT_VERSION, b'chunk_size' -> u32,
                        snapshot each mirror was last replicated to; kept from deletion)
                        on a mirror: b'mirror_of' -> the source store's uuid,
                        b'rolled_back_to' -> epoch:u64 + snapshot uuid (replicate --force),
+                       b'undo_to' -> epoch:u64 + snapshot uuid or b'' while a change of the
+                       live tree spanning transactions is unfinished (snapshots.begin_undoable)
                        b'staged_bytes' -> bytes staged:u64 + when the last batch was staged:u64 (s)
 inodes    versioned    ino:u64 -> INODE struct + name + symlink target (the record names one
                        current location of the inode, parent + name: exact for directories,

@@ -233,7 +233,7 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
     try:
         with store.read() as txn:
             def epoch(name):
-                return snaps.live_epoch(txn, store.db) if name == "." else \
+                return snaps.readable_live_epoch(txn, store.db) if name == "." else \
                     snaps.get(txn, store.db, name).epoch
             lo, hi = epoch(from_snap), epoch(to_snap)
             if lo > hi:

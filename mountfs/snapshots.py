@@ -173,9 +173,16 @@ def rollback(txn, dbs, chunk_size: int, snap: S.Snapshot, force: bool = False) -
         raise SnapshotError(f"the live tree has changed since snapshot {snap.name!r}; pass "
                             f"--force to discard those changes (take a snapshot first to "
                             f"keep them)")
+    return rollback_to_epoch(txn, dbs, chunk_size, snap.epoch)
+
+
+def rollback_to_epoch(txn, dbs, chunk_size: int, epoch: int) -> Rollback:
+    """Make the live tree equal to its state at the end of ``epoch`` (a snapshot's, or the
+    one an interrupted change started from: see undo_interrupted)."""
+    live = Live(txn, dbs, live_epoch(txn, dbs), chunk_size)
     done = Rollback()
     for dbname in S.VERSIONED_DBS:
-        for base, old, new in _changed_since(txn, dbs[dbname], snap.epoch):
+        for base, old, new in _changed_since(txn, dbs[dbname], epoch):
             _restore_record(live, dbname, base, old, new, done)
     for ino in sorted(done.inodes):
         if live.inode(ino) is not None:
@@ -325,3 +332,67 @@ def remove_tree(live: Live, parent: int, name: bytes, is_open) -> list[int]:
 
 __all__ = ["SnapshotError", "validate_name", "create", "list_all", "get", "delete", "rollback",
            "restore_path", "remove_tree", "retained_epochs", "Rollback"]
+
+
+# ---- changes of the live tree too big for one transaction --------------------------------------
+
+UNDO_MARK = b"undo_to"    # meta: epoch:u64 + uuid of the snapshot the live tree equalled (or b"")
+
+
+def begin_undoable(txn, dbs, equal_to: S.Snapshot | None) -> int:
+    """Start a change of the live tree that spans several transactions (a mirror's large
+    commit). The live epoch moves on, so that everything the change writes is newer than the
+    state it started from, which stays readable at the returned epoch; the mark lets
+    undo_interrupted put that state back if the change never ends (kill -9, power loss, a
+    refusal). ``equal_to``: the snapshot the live tree equals now, which it equals again
+    after an undo."""
+    meta = dbs["meta"]
+    if txn.get(UNDO_MARK, db=meta) is not None:
+        raise StoreError("another change of the live tree is under way")
+    epoch = live_epoch(txn, dbs)
+    txn.put(UNDO_MARK, S.u64(epoch) + (equal_to.uuid if equal_to else b""), db=meta)
+    txn.put(b"live_epoch", S.u64(epoch + 1), db=meta)
+    return epoch
+
+
+def end_undoable(txn, dbs) -> None:
+    """The change is whole (in the transaction that ends it)."""
+    txn.delete(UNDO_MARK, db=dbs["meta"])
+
+
+def interrupted_at(txn, dbs) -> int | None:
+    """The epoch an unfinished change started from, if one was cut short (or is under way)."""
+    raw = txn.get(UNDO_MARK, db=dbs["meta"])
+    return S.from_u64(bytes(raw)[:8]) if raw is not None else None
+
+
+def readable_live_epoch(txn, dbs) -> int:
+    """The epoch a reader sees as the live tree: the live epoch, or, while a change spanning
+    transactions is unfinished (or was cut short and not yet undone), the state before it:
+    nobody ever reads a half-applied commit."""
+    before = interrupted_at(txn, dbs)
+    return live_epoch(txn, dbs) if before is None else before
+
+
+def undo_interrupted(txn, dbs, chunk_size: int) -> bool:
+    """Put the live tree back as it was before a change that never ended; whether there was
+    one. The undo is itself one transaction: a crash during it leaves the mark to undo
+    again."""
+    raw = txn.get(UNDO_MARK, db=dbs["meta"])
+    if raw is None:
+        return False
+    raw = bytes(raw)
+    rollback_to_epoch(txn, dbs, chunk_size, S.from_u64(raw[:8]))
+    equal = next((s for s in list_all(txn, dbs) if s.uuid == raw[8:]), None)
+    if equal is not None:
+        mark_equal(txn, dbs, equal)
+    txn.delete(UNDO_MARK, db=dbs["meta"])
+    return True
+
+
+def mark_equal(txn, dbs, snap: S.Snapshot) -> None:
+    """The live tree was just made equal to ``snap``: close the live epoch and say so, so
+    that it counts as unchanged since ``snap`` until something writes again."""
+    epoch = live_epoch(txn, dbs)
+    txn.put(b"rolled_back_to", S.u64(epoch) + snap.uuid, db=dbs["meta"])
+    txn.put(b"live_epoch", S.u64(epoch + 1), db=dbs["meta"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import time
 import uuid as uuidlib
@@ -31,6 +32,8 @@ import lmdb
 from . import buckets
 from . import schema as S
 from .errors import StoreError
+
+log = logging.getLogger(__name__)
 
 MAP_SIZE = 1 << 43          # address space only (8 TiB); the file grows with the data
 DEFAULT_CHUNK_SIZE = 1 << 20
@@ -126,11 +129,29 @@ class Store:
         try:
             env = _open_env(path, readonly=readonly, create=False, readahead=readahead)
             _check_format(env, path)
-            return cls(path, env, lockfd, readonly)
+            store = cls(path, env, lockfd, readonly)
         except BaseException:
             if lockfd is not None:
                 os.close(lockfd)
             raise
+        if lockfd is not None and not readonly:
+            store._finish_interrupted()
+        return store
+
+    def _finish_interrupted(self) -> None:
+        """Whoever holds the lock to write is alone: a change spanning transactions that is
+        still marked unfinished was cut short (kill -9, power loss), and is undone before
+        anything else reads or writes the live tree (snapshots.begin_undoable)."""
+        from . import snapshots
+        try:
+            with self.write() as txn:
+                undone = snapshots.undo_interrupted(txn, self.db, self.chunk_size)
+        except BaseException:
+            self.close()
+            raise
+        if undone:
+            log.warning("%s: undid a change of the live tree that was cut short (a mirror's "
+                        "commit); snapshots were never touched", self.path)
 
     def close(self) -> None:
         if not self.readonly:

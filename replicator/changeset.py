@@ -18,6 +18,7 @@ import binascii
 import stat
 import struct
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from mountfs import schema as S
@@ -45,6 +46,19 @@ class Changeset:
                 if value is not None:
                     out[value[0]] = value[1]
         return out
+
+    def records(self) -> int:
+        return (len(self.entries) + len(self.inodes) + len(self.xattrs)
+                + sum(len(leaves) for leaves in self.chunks.values()))
+
+    def merge(self, other: "Changeset") -> None:
+        """Add ``other``'s records (a later part) to this one."""
+        self.entries.update(other.entries)
+        self.inodes.update(other.inodes)
+        self.xattrs.update(other.xattrs)
+        for x, leaves in other.chunks.items():
+            self.chunks.setdefault(x, {}).update(leaves)
+        self.report.update(other.report)
 
     # ---- the wire form (JSON-safe) ---------------------------------------------------------
 
@@ -137,64 +151,152 @@ def _unb64(s, where: str = "value") -> bytes:
 
 # ---- building one from a source store ---------------------------------------------------------
 
+PART_RECORDS = 20_000         # records per part (a directory entry, an inode, an xattr set, a leaf)
+PART_BYTES = 4 << 20          # about this many bytes of record data per part
+
+
 def build(txn, dbs, chunk_size: int, from_epoch: int | None, to_epoch: int) -> Changeset:
-    """The changeset FROM -> TO (FROM None: everything at TO) over one read transaction."""
+    """The changeset FROM -> TO (FROM None: everything at TO) over one read transaction, whole
+    (for callers that need it in memory; replication streams ``parts``)."""
+    whole = Changeset()
+    for part in parts(txn, dbs, chunk_size, from_epoch, to_epoch, part_records=None):
+        whole.merge(part)
+    return whole
+
+
+def parts(txn, dbs, chunk_size: int, from_epoch: int | None, to_epoch: int,
+          part_records: int | None = PART_RECORDS,
+          part_bytes: int = PART_BYTES) -> Iterator[Changeset]:
+    """The changeset FROM -> TO as a stream of parts of at most ``part_records`` records and
+    about ``part_bytes`` bytes each (None: one part), built as the pruned diff is walked, so
+    that memory holds one part, not the change. An inode's records may be split over parts;
+    the mirror applies every part's deletes before any part's creates (mirror.apply_parts)."""
     new = View(txn, dbs, to_epoch, chunk_size)
-    cs = Changeset()
+    report: Counter = Counter()
     if from_epoch is None:
-        cs.inodes[S.ROOT_INO] = new.get(S.ROOT_INO)
-        _add_subtree(new, None, S.ROOT_INO, cs)
-        _fill_records(new, None, cs, all_chunks=True)
-        return cs
+        records = _full(new)
+    else:
+        records = _incremental(txn, dbs, chunk_size, from_epoch, to_epoch, new, report)
+    yield from _cut(records, report, part_records, part_bytes)
+
+
+def split(cs: Changeset, part_records: int = PART_RECORDS,
+          part_bytes: int = PART_BYTES) -> Iterator[Changeset]:
+    """A changeset already in memory (a reconciliation's) as parts, for the same wire."""
+    yield from _cut(_records_of(cs), cs.report, part_records, part_bytes)
+
+
+def _cut(records, report: Counter, part_records: int | None,
+         part_bytes: int) -> Iterator[Changeset]:
+    """Group a stream of records into parts; the last part carries the diff's report (the
+    report is complete only once the stream is)."""
+    part, count, size = Changeset(), 0, 0
+    for kind, key, value in records:
+        if kind == "entry":
+            part.entries[key] = value
+            size += len(key[1]) + 24
+        elif kind == "inode":
+            part.inodes[key] = value
+            size += 96 + (len(value.target) if value is not None else 0)
+        elif kind == "xattrs":
+            part.xattrs[key] = value
+            size += 16 + sum(len(k) + len(v) for k, v in value.items())
+        else:
+            part.chunks.setdefault(key[0], {})[key[1]] = value
+            size += 48
+        count += 1
+        if part_records is not None and (count >= part_records or size >= part_bytes):
+            yield part
+            part, count, size = Changeset(), 0, 0
+    part.report = report
+    yield part
+
+
+def _records_of(cs: Changeset):
+    for key, child in cs.entries.items():
+        yield "entry", key, child
+    for x, rec in cs.inodes.items():
+        yield "inode", x, rec
+    for x, xattrs in cs.xattrs.items():
+        yield "xattrs", x, xattrs
+    for x, leaves in cs.chunks.items():
+        for index, value in leaves.items():
+            yield "chunk", (x, index), value
+
+
+def _full(new: View):
+    """Every record at TO, directory by directory (the pending directories are the state)."""
+    yield from _inode_records(new, S.ROOT_INO, None)
+    linked: set[int] = set()          # inodes with several names already sent (hard links)
+    todo = [S.ROOT_INO]
+    while todo:
+        d = todo.pop()
+        for name, child in new.listdir(d):
+            yield "entry", (d, bytes(name)), child
+            rec = new.get(child)
+            if rec.nlink > 1 and not stat.S_ISDIR(rec.mode):
+                if child in linked:
+                    continue
+                linked.add(child)
+            yield from _inode_records(new, child, None)
+            if stat.S_ISDIR(rec.mode):
+                todo.append(child)
+
+
+def _incremental(txn, dbs, chunk_size: int, from_epoch: int, to_epoch: int, new: View,
+                 report: Counter):
+    """The records the pruned diff touched, then the subtrees of directories created after
+    FROM (the diff implies their contents; a mirror needs them). The diff's own sets of
+    touched names and inodes are what it holds: O(the change), never O(the tree)."""
     differ = Differ(txn, dbs, chunk_size, from_epoch, to_epoch)
     created_dirs = []
     for entry in differ.entries():
-        cs.report[entry.op] += 1
+        report[entry.op] += 1
         if entry.op == CREATE and entry.type == "dir" and entry.link is None:
             created_dirs.append(entry.ino)
     for d, name in differ.touched_entries:
-        cs.entries[(d, name)] = new.lookup(d, name)
+        yield "entry", (d, name), new.lookup(d, name)
+    sent = set(differ.touched_inodes)
     for x in differ.touched_inodes:
-        cs.inodes[x] = None
+        yield from _inode_records(new, x, differ)
     old = View(txn, dbs, from_epoch, chunk_size)
     for top in created_dirs:
-        _add_subtree(new, old, top, cs)
-    _fill_records(new, differ, cs, all_chunks=False)
-    return cs
+        yield from _subtree(new, old, top, sent)
 
 
-def _add_subtree(new: View, old: View | None, top: int, cs: Changeset) -> None:
-    """Every entry below ``top`` at TO, and every inode there that did not exist at FROM
-    (inodes that did are the diff's business: it walks them from where they came)."""
+def _subtree(new: View, old: View, top: int, sent: set[int]):
+    """Every entry below ``top`` at TO, and the records of every inode there that did not
+    exist at FROM (inodes that did are the diff's business: it walks them from where they
+    came)."""
     todo = [top]
     while todo:
         d = todo.pop()
         for name, child in new.listdir(d):
-            cs.entries[(d, bytes(name))] = child
-            if old is not None and old.inode(child) is not None:
+            yield "entry", (d, bytes(name)), child
+            if old.inode(child) is not None or child in sent:
                 continue
-            cs.inodes[child] = None
+            sent.add(child)
+            yield from _inode_records(new, child, None)
             if stat.S_ISDIR(new.get(child).mode):
                 todo.append(child)
 
 
-def _fill_records(new: View, differ: Differ | None, cs: Changeset, all_chunks: bool) -> None:
-    """TO records, xattr sets and changed chunk leaves of every inode in the changeset. An
-    inode without a name at TO (gone, or unlinked while open) is None: the mirror drops it."""
-    for x in list(cs.inodes):
-        rec = new.inode(x)
-        if rec is None or (rec.nlink == 0 and x != S.ROOT_INO):
-            cs.inodes[x] = None
-            continue
-        cs.inodes[x] = rec
-        cs.xattrs[x] = new.xattrs(x)
-        if stat.S_ISREG(rec.mode):
-            indices = new.chunk_indices(x) if all_chunks or differ is None \
-                else differ.changed_chunk_indices(x)
-            cs.chunks[x] = {i: _leaf(new, x, i) for i in indices}
+def _inode_records(new: View, x: int, differ: Differ | None):
+    """The TO record, xattr set and changed chunk leaves of inode ``x`` (all its leaves
+    without ``differ``). An inode without a name at TO (gone, or unlinked while open) is
+    None: the mirror drops it."""
+    rec = new.inode(x)
+    if rec is None or (rec.nlink == 0 and x != S.ROOT_INO):
+        yield "inode", x, None
+        return
+    yield "inode", x, rec
+    yield "xattrs", x, new.xattrs(x)
+    if stat.S_ISREG(rec.mode):
+        indices = new.chunk_indices(x) if differ is None else differ.changed_chunk_indices(x)
+        for i in indices:
+            yield "chunk", (x, i), _leaf(new, x, i)
 
 
 def _leaf(view: View, x: int, index: int) -> ChunkValue:
     value = view.chunk(x, index)
     return (bytes(value[0]), value[1]) if value else None
-

@@ -20,6 +20,13 @@ from .server import (MAX_BODY, compress, compress_json, decompress, loads, pack_
 TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=10.0)
 
 
+def commit_timeout(parts: int) -> httpx.Timeout:
+    """How long a commit may take to answer: the receiver applies and checks every part
+    before it replies (a million-file first copy, ~200 parts, takes minutes), so the wait
+    grows with the parts rather than cutting a commit that is working."""
+    return httpx.Timeout(connect=10.0, read=600.0 + 10.0 * parts, write=600.0, pool=10.0)
+
+
 def _client(url: str, token: str | None, ca_file: str | None) -> httpx.Client:
     if not token:
         raise StoreError("no token for the mirror: pass --token-file FILE or set "
@@ -40,10 +47,11 @@ def _tls_context(ca_file: str | None) -> ssl.SSLContext | bool:
 
 
 def _call(client: httpx.Client, method: str, path: str, body: bytes | None = None,
-          limit: int = MAX_BODY):
+          limit: int = MAX_BODY, timeout: httpx.Timeout | None = None):
     """One request; the response is held only up to ``limit`` bytes."""
     try:
-        with client.stream(method, path, content=body) as streamed:
+        with client.stream(method, path, content=body,
+                           timeout=timeout or client.timeout) as streamed:
             data = bytearray()
             for piece in streamed.iter_raw():
                 data += piece
@@ -137,6 +145,17 @@ class HttpMirror:
             "source_uuid": source_uuid.hex(), "base_uuid": base_uuid, "reconcile": reconcile,
             "snapshot": {"name": snap.name, "uuid": snap.uuid, "created_ns": snap.created_ns},
             "changeset": cs.to_json()}))
+
+    def stage_part(self, transfer: bytes, index: int, raw: bytes) -> None:
+        _call(self.client, "POST", f"/v1/parts/{transfer.hex()}/{index}", compress(raw))
+
+    def commit_parts(self, source_uuid: bytes, base_uuid: str | None, snap: SnapshotRef,
+                     transfer: bytes, digests: list[bytes], reconcile: bool = False) -> None:
+        _call(self.client, "POST", "/v1/commit-parts", compress_json({
+            "source_uuid": source_uuid.hex(), "base_uuid": base_uuid, "reconcile": reconcile,
+            "snapshot": {"name": snap.name, "uuid": snap.uuid, "created_ns": snap.created_ns},
+            "transfer": transfer.hex(), "parts": [d.hex() for d in digests]}),
+            timeout=commit_timeout(len(digests)))
 
     def rollback_to(self, base_uuid: str) -> None:
         self._call("POST", "/v1/rollback", compress_json({"base_uuid": base_uuid}))

@@ -5,18 +5,26 @@
 2. the mirror must not have changed since its copy of the base (O(1): its root's mepoch);
    ``force`` rolls it back to the base first. Without a common snapshot, a mirror that is
    not empty (a lost base, seeded another way) is reconciled by bucket hashes instead;
-3. the changeset base -> snapshot, from the epoch-pruned diff;
-4. the mirror says which chunk digests it lacks; only those travel (Spark);
-5. one commit on the mirror: the changeset and the snapshot of the same name and uuid.
+3. the changeset base -> snapshot, built from the epoch-pruned diff in bounded parts; for
+   each part, the mirror says which of its chunk digests it lacks, only those travel
+   (from this process, or one Spark job after the last part when they are many), and the
+   part is staged on the mirror under this cycle's transfer id;
+4. one commit on the mirror names the parts (count and digest of each): the changeset and
+   the snapshot of the same name and uuid, applied part by part in one transaction.
 
-Nothing needs undoing after a failure at any step: the mirror is at its base until step 5
-commits, and step 4's chunks stay staged for the next try.
+Memory is bounded by a part, not by the change. Nothing needs undoing after a failure at
+any step: the mirror is at its base until step 4 commits, and staged chunks stay for the
+next try (staged parts are dropped by the next commit or when staging expires).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
+
+import blake3
 
 from mountfs import schema as S
 from mountfs import snapshots as snaps
@@ -60,11 +68,13 @@ class CycleResult:
 def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
               master: str | None = None, batch_bytes: int = transfer.DEFAULT_BATCH_BYTES,
               stall_seconds: float = transfer.DEFAULT_STALL_SECONDS,
-              progress=None, inline_bytes: int = 0, phase=None) -> CycleResult:
+              progress=None, inline_bytes: int = 0, phase=None,
+              part_records: int = changeset.PART_RECORDS) -> CycleResult:
     """Send snapshot ``snapshot`` of the store at ``source_path`` to ``mirror`` (an
     endpoint from replicator.endpoints). Transfers of at most ``inline_bytes`` skip Spark
     (starting its JVM costs seconds; a few changed chunks take milliseconds).
-    ``phase(text)`` hears what the cycle is doing before the transfer's ``progress``."""
+    ``phase(text)`` hears what the cycle is doing before the transfer's ``progress``.
+    The changeset travels in parts of at most ``part_records`` records."""
     phase = phase or (lambda text: None)
     started = time.monotonic()
     transfer.check_reachable(master, mirror.sink)
@@ -88,38 +98,87 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
               "listing the snapshot for a full copy")
         diff_started = time.monotonic()
         reconciling = base is None and not info["empty"]
-        if reconciling:
-            if info["buckets"] != source.bucket_count:
-                raise MirrorError("the mirror shares no snapshot with this source and keeps "
-                                  "another number of buckets; replicate into an empty mirror")
-            cs = reconcile(source, mirror, snap)
-        else:
-            with source.read() as txn:
-                cs = changeset.build(txn, source.db, source.chunk_size,
-                                     base.epoch if base else None, snap.epoch)
-        diff_seconds = time.monotonic() - diff_started
-        wanted = cs.digests()
-        phase(f"asking the mirror which of {len(wanted)} chunks it lacks")
-        lacking = mirror.missing(list(wanted))
-        todo = [(d, wanted[d]) for d in lacking]
-        chunk_batches = transfer.batches(todo, batch_bytes)
-        todo_bytes = sum(n for _, n in todo)
-        if todo_bytes <= inline_bytes:
-            sent = transfer.send_inline(source, mirror.stage, chunk_batches, progress)
-        else:
-            phase(f"starting Spark to send {len(todo)} chunks ({todo_bytes} bytes)")
-            sent = transfer.send(source, mirror.sink, chunk_batches, master=master,
-                                 stall_seconds=stall_seconds, progress=progress)
+        if reconciling and info["buckets"] != source.bucket_count:
+            raise MirrorError("the mirror shares no snapshot with this source and keeps "
+                              "another number of buckets; replicate into an empty mirror")
+        sender = _Sender(source, mirror, batch_bytes, inline_bytes, progress, phase)
+        with source.read() as txn:
+            parts = changeset.split(reconcile(source, mirror, snap), part_records) \
+                if reconciling else changeset.parts(txn, source.db, source.chunk_size,
+                                                    base.epoch if base else None,
+                                                    snap.epoch, part_records)
+            diff_seconds = time.monotonic() - diff_started
+            parts = iter(parts)
+            while True:           # the diff's time is the parts' building, not their sending
+                diff_started = time.monotonic()
+                part = next(parts, None)
+                diff_seconds += time.monotonic() - diff_started
+                if part is None:
+                    break
+                sender.part(part)
+        if sender.pending:
+            phase(f"starting Spark to send {len(sender.pending)} chunks "
+                  f"({sum(sender.pending.values())} bytes)")
+            sender.add(transfer.send(source, mirror.sink,
+                                     transfer.batches(list(sender.pending.items()),
+                                                      batch_bytes),
+                                     master=master, stall_seconds=stall_seconds,
+                                     progress=progress))
         phase(COMMITTING)
-        mirror.commit(source.uuid, base.uuid.hex() if base else None,
-                      SnapshotRef(snap.name, snap.uuid.hex(), snap.created_ns), cs,
-                      reconcile=reconciling)
-        return CycleResult(snap.name, base.name if base else None, len(cs.entries),
-                           len(cs.inodes), sent.chunks,
-                           sent.bytes, sum(wanted.values()) - sent.bytes,
+        mirror.commit_parts(source.uuid, base.uuid.hex() if base else None,
+                            SnapshotRef(snap.name, snap.uuid.hex(), snap.created_ns),
+                            sender.transfer, sender.digests, reconcile=reconciling)
+        sent = sender.sent
+        return CycleResult(snap.name, base.name if base else None, sender.entries,
+                           sender.inodes, sent.chunks, sent.bytes,
+                           max(sender.wanted_bytes - sent.bytes, 0),
                            time.monotonic() - started, diff_seconds, sent.executors)
     finally:
         source.close()
+
+
+class _Sender:
+    """Sends a changeset part by part as it is built: for each part, the chunks it names
+    that the mirror lacks, then the part itself, staged under this transfer's id. Chunks go
+    from this process while they total at most ``inline_bytes``; beyond that they are kept
+    (digest and length only) for one Spark job after the last part."""
+
+    def __init__(self, source: Store, mirror, batch_bytes: int, inline_bytes: int, progress,
+                 phase):
+        self.source, self.mirror, self.phase = source, mirror, phase
+        self.batch_bytes, self.inline_left, self.progress = batch_bytes, inline_bytes, progress
+        self.transfer = os.urandom(16)
+        self.digests: list[bytes] = []
+        self.pending: dict[bytes, int] = {}
+        self.sent = transfer.Sent()
+        self.entries = self.inodes = self.wanted_bytes = 0
+
+    def part(self, part: changeset.Changeset) -> None:
+        wanted = part.digests()
+        self.wanted_bytes += sum(wanted.values())
+        if wanted:
+            later = f" (part {len(self.digests) + 1})" if self.digests else ""
+            self.phase(f"asking the mirror which of {len(wanted)} chunks it lacks{later}")
+        todo = [(d, wanted[d]) for d in self.mirror.missing(list(wanted))
+                if d not in self.pending] if wanted else []
+        nbytes = sum(n for _, n in todo)
+        if not self.pending and nbytes <= self.inline_left:
+            self.inline_left -= nbytes
+            self.add(transfer.send_inline(self.source, self.mirror.stage,
+                                          transfer.batches(todo, self.batch_bytes),
+                                          self.progress))
+        else:
+            self.pending.update(todo)
+        raw = json.dumps(part.to_json()).encode()
+        self.mirror.stage_part(self.transfer, len(self.digests), raw)
+        self.digests.append(blake3.blake3(raw).digest())
+        self.entries += len(part.entries)
+        self.inodes += len(part.inodes)
+
+    def add(self, sent: transfer.Sent) -> None:
+        self.sent.chunks += sent.chunks
+        self.sent.bytes += sent.bytes
+        self.sent.executors.update(sent.executors)
 
 
 def _check_compatible(source: Store, info: dict) -> None:

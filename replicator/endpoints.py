@@ -80,6 +80,20 @@ class LocalMirror:
         mirror.purge_deleted(self.store)
         self.store.sync()
 
+    def stage_part(self, transfer: bytes, index: int, raw: bytes) -> None:
+        with self.store.write() as txn:
+            mirror.stage_part(txn, self.store.db, self.store.chunk_size, transfer, index, raw)
+
+    def commit_parts(self, source_uuid: bytes, base_uuid: str | None,
+                     snap: mirror.SnapshotRef, transfer: bytes, digests: list[bytes],
+                     reconcile: bool = False) -> None:
+        """Commit the changeset staged as parts (stage_part), read back part by part."""
+        mirror.commit_staged(self.store, source_uuid, base_uuid, snap, transfer, digests,
+                             reconcile)
+        self.store.sync()
+        mirror.purge_deleted(self.store)
+        self.store.sync()
+
     def rollback_to(self, base_uuid: str) -> None:
         with self.store.write() as txn:
             mirror.rollback_to(txn, self.store.db, self.store.chunk_size, base_uuid)

@@ -13,9 +13,12 @@ directory cycles, and a mirror that changed since its base.
 
 from __future__ import annotations
 
+import json
+import os
 import stat
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import blake3
@@ -27,6 +30,8 @@ from mountfs.namespace import FsError, Live, View, add_written, check_name
 from mountfs.store import Store, StoreError, delete_live, put_live
 
 from .changeset import Changeset
+
+Parts = Callable[[], Iterator[Changeset]]     # a fresh iterator over a changeset's parts
 
 class MirrorError(StoreError):
     """A replication request the mirror refuses (one clear line for the user)."""
@@ -110,13 +115,83 @@ def missing(txn, dbs, digests) -> list[bytes]:
     return [bytes(d) for d in digests if not _present(txn, dbs, bytes(d))]
 
 
+# ---- staging changeset parts ---------------------------------------------------------------
+
+MAX_PART_BYTES = 16 << 20     # one part's JSON, decompressed (the source cuts at ~4 MiB)
+MAX_PARTS = 1 << 16           # parts one commit may name
+PART_PREFIX = b"part"         # blobs key: prefix + transfer id (16) + index (u32): 24 bytes,
+                              # never a chunk digest (32)
+
+
+def part_key(transfer: bytes, index: int) -> bytes:
+    if len(transfer) != 16 or not 0 <= index < MAX_PARTS:
+        raise MirrorError(f"a changeset part needs a transfer id of 16 bytes and an index "
+                          f"0..{MAX_PARTS - 1}")
+    return PART_PREFIX + transfer + index.to_bytes(4, "big")
+
+
+def parse_part(raw: bytes, chunk_size: int) -> Changeset:
+    """A part as received: bounded, JSON, a well-formed changeset, every record in range
+    (refused here, before it is staged, as a chunk that does not match its digest is)."""
+    if len(raw) > MAX_PART_BYTES:
+        raise MirrorError(f"a changeset part of {len(raw)} bytes is over the limit of "
+                          f"{MAX_PART_BYTES}")
+    cs = Changeset.from_json(json.loads(raw))    # malformed: ValueError (the peer's 400)
+    _validate(cs, chunk_size)
+    return cs
+
+
+def stage_part(txn, dbs, chunk_size: int, transfer: bytes, index: int, raw: bytes,
+               limits: StagingLimits = StagingLimits(), free_bytes: int | None = None) -> bytes:
+    """Stage part ``index`` of transfer ``transfer`` (validated first); it counts against
+    the same staging limits as chunks (a part staged again replaces the first) and is
+    dropped with them. Returns its digest, which the commit names."""
+    key = part_key(transfer, index)
+    parse_part(raw, chunk_size)
+    held, last = _staged_account(txn, dbs)
+    if held and limits.idle_seconds is not None and time.time() - last > limits.idle_seconds:
+        _drop_staged(txn, dbs)
+        held = 0
+    old = txn.get(key, db=dbs["blobs"])
+    held -= len(old) if old is not None else 0
+    _check_room(held, len(raw), limits, free_bytes)
+    txn.put(key, raw, db=dbs["blobs"])
+    txn.put(key, b"", db=dbs["staged"])
+    txn.put(b"staged_bytes", S.u64(max(held, 0) + len(raw)) + S.u64(int(time.time())),
+            db=dbs["meta"])
+    return blake3.blake3(raw).digest()
+
+
+def staged_parts(txn, dbs, transfer: bytes, digests: list[bytes]) -> Parts:
+    """The parts a commit names, as a re-iterable stream read from staging: all of them
+    present and matching their digests, checked before anything is applied (each part was
+    validated when staged, and every part is validated again before anything is written)."""
+    if not 0 < len(digests) <= MAX_PARTS:
+        raise MirrorError(f"a commit names 1..{MAX_PARTS} changeset parts, not "
+                          f"{len(digests)}")
+    for index, digest in enumerate(digests):
+        raw = txn.get(part_key(transfer, index), db=dbs["blobs"])
+        if raw is None:
+            raise MirrorError(f"changeset part {index} of transfer {transfer.hex()} is not "
+                              f"staged on the mirror (expired or never sent); re-run")
+        if blake3.blake3(raw).digest() != bytes(digest):
+            raise MirrorError(f"changeset part {index} of transfer {transfer.hex()} does not "
+                              f"match the digest the commit names")
+    return lambda: (load_part(txn, dbs, transfer, i) for i in range(len(digests)))
+
+
+def load_part(txn, dbs, transfer: bytes, index: int) -> Changeset:
+    raw = txn.get(part_key(transfer, index), db=dbs["blobs"])
+    return Changeset.from_json(json.loads(bytes(raw)))
+
+
 # ---- what the mirror holds ----------------------------------------------------------------
 
 def info(store: Store) -> dict:
     """Identity, chunk size, snapshots, and whether the live tree changed since each."""
     with store.read() as txn:
         dbs = store.db
-        live = snaps.live_epoch(txn, dbs)
+        live = snaps.readable_live_epoch(txn, dbs)
         root = View(txn, dbs, live, store.chunk_size).get(S.ROOT_INO)
         source = txn.get(b"mirror_of", db=dbs["meta"])
         return {
@@ -141,17 +216,102 @@ def _is_empty(txn, dbs, live: int, chunk_size: int) -> bool:
 # ---- committing a cycle -------------------------------------------------------------------
 
 def commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
-           snapshot: SnapshotRef, cs: Changeset, reconcile: bool = False) -> S.Snapshot:
-    """Check the preconditions, apply ``cs`` and take ``snapshot``, in the caller's one
-    write transaction (an exception aborts all of it). ``reconcile``: there is no base and
-    ``cs`` was computed against the mirror's live tree by bucket comparison."""
-    live_epoch = snaps.live_epoch(txn, dbs)
-    _check_base(txn, dbs, chunk_size, live_epoch, source_uuid, base_uuid, reconcile)
+           snapshot: SnapshotRef, cs: Changeset | Parts,
+           reconcile: bool = False) -> S.Snapshot:
+    """Check the preconditions, apply ``cs`` (a changeset, or its staged parts: see
+    staged_parts) and take ``snapshot``, in the caller's one write transaction (an
+    exception aborts all of it). ``reconcile``: there is no base and ``cs`` was computed
+    against the mirror's live tree by bucket comparison."""
+    _check_commit(txn, dbs, chunk_size, source_uuid, base_uuid, snapshot, reconcile)
+    apply_parts(Live(txn, dbs, snaps.live_epoch(txn, dbs), chunk_size),
+                cs if callable(cs) else (lambda: iter([cs])))
+    return _take_snapshot(txn, dbs, chunk_size, source_uuid, snapshot)
+
+
+def commit_batch_records() -> int:
+    """Records one transaction of a large commit applies at most: what bounds the receiver's
+    memory (LMDB keeps a transaction's written pages in memory until it commits)."""
+    return int(os.environ.get("MOUNTFS_COMMIT_BATCH", 200_000))
+
+
+@dataclass
+class Committed:
+    snapshot: S.Snapshot
+    entries: int            # names the commit changed
+    inodes: int             # inodes it changed
+
+
+def commit_staged(store: Store, source_uuid: bytes, base_uuid: str | None,
+                  snapshot: SnapshotRef, transfer: bytes, digests: list[bytes],
+                  reconcile: bool = False) -> Committed:
+    """Commit a changeset staged as parts. One of at most commit_batch_records() records is
+    applied and snapshotted in one transaction (as commit does). A larger one in several,
+    so that memory is bounded by a transaction's worth of parts, not by the change: the
+    first checks the preconditions and every part and opens an undoable change of the live
+    tree (snapshots.begin_undoable); the writing steps then run over a few parts per
+    transaction; the last finishes, checks and takes the snapshot. Until then no snapshot
+    changes and only the live tree is half-applied; a refusal puts it back at once, a crash
+    at the next open of the store (snapshots.undo_interrupted)."""
+    dbs, batch, steps = store.db, commit_batch_records(), _Apply(store.chunk_size)
+    with store.write() as txn:
+        snaps.undo_interrupted(txn, dbs, store.chunk_size)
+        parts = staged_parts(txn, dbs, transfer, digests)
+        base = _check_commit(txn, dbs, store.chunk_size, source_uuid, base_uuid, snapshot,
+                             reconcile)
+        live = Live(txn, dbs, snaps.live_epoch(txn, dbs), store.chunk_size)
+        for step in steps.reading_steps():
+            for cs in parts():
+                step(live, cs)
+        if sum(cs.records() for cs in parts()) <= batch:
+            for step in steps.writing_steps():
+                for cs in parts():
+                    step(live, cs)
+            steps.finish(live, parts)
+            return Committed(_take_snapshot(txn, dbs, store.chunk_size, source_uuid, snapshot),
+                             steps.entries, steps.inodes)
+        snaps.begin_undoable(txn, dbs, base)
+    try:
+        for step in steps.writing_steps():
+            _in_batches(store, transfer, len(digests), step, batch)
+        with store.write() as txn:
+            live = Live(txn, dbs, snaps.live_epoch(txn, dbs), store.chunk_size)
+            steps.finish(live, staged_parts(txn, dbs, transfer, digests))
+            snaps.end_undoable(txn, dbs)
+            return Committed(_take_snapshot(txn, dbs, store.chunk_size, source_uuid, snapshot),
+                             steps.entries, steps.inodes)
+    except BaseException:
+        with store.write() as txn:
+            snaps.undo_interrupted(txn, dbs, store.chunk_size)
+        raise
+
+
+def _in_batches(store: Store, transfer: bytes, count: int, step, batch: int) -> None:
+    """``step`` over every staged part, in transactions of about ``batch`` records."""
+    index = 0
+    while index < count:
+        with store.write() as txn:
+            live = Live(txn, store.db, snaps.live_epoch(txn, store.db), store.chunk_size)
+            records = 0
+            while index < count and records < batch:
+                cs = load_part(txn, store.db, transfer, index)
+                step(live, cs)
+                records += cs.records()
+                index += 1
+
+
+def _check_commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
+                  snapshot: SnapshotRef, reconcile: bool) -> S.Snapshot | None:
+    """The preconditions of a commit; the base snapshot, if any."""
+    base = _check_base(txn, dbs, chunk_size, snaps.live_epoch(txn, dbs), source_uuid,
+                       base_uuid, reconcile)
     for s in snaps.list_all(txn, dbs):
         if s.name == snapshot.name or s.uuid.hex() == snapshot.uuid:
             raise MirrorError(f"the mirror already has snapshot {s.name!r}")
-    live = Live(txn, dbs, live_epoch, chunk_size)
-    apply(live, cs)
+    return base
+
+
+def _take_snapshot(txn, dbs, chunk_size: int, source_uuid: bytes,
+                   snapshot: SnapshotRef) -> S.Snapshot:
     txn.put(b"mirror_of", source_uuid, db=dbs["meta"])
     gc.settle_purges(txn, dbs, chunk_size)
     snap = snaps.create(txn, dbs, snapshot.name, snap_uuid=bytes.fromhex(snapshot.uuid),
@@ -161,7 +321,7 @@ def commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
 
 
 def _check_base(txn, dbs, chunk_size: int, live_epoch: int, source_uuid: bytes,
-                base_uuid: str | None, reconcile: bool) -> None:
+                base_uuid: str | None, reconcile: bool) -> S.Snapshot | None:
     mirror_of = txn.get(b"mirror_of", db=dbs["meta"])
     if mirror_of is not None and bytes(mirror_of) != source_uuid:
         raise MirrorError(f"the mirror holds another store ({bytes(mirror_of).hex()}), "
@@ -170,7 +330,7 @@ def _check_base(txn, dbs, chunk_size: int, live_epoch: int, source_uuid: bytes,
         if not reconcile and not _is_empty(txn, dbs, live_epoch, chunk_size):
             raise MirrorError("the mirror is not empty and shares no snapshot with the "
                               "source; a full copy needs an empty mirror")
-        return
+        return None
     base = next((s for s in snaps.list_all(txn, dbs) if s.uuid.hex() == base_uuid), None)
     if base is None:
         raise MirrorError(f"the mirror no longer has the base snapshot ({base_uuid})")
@@ -178,6 +338,7 @@ def _check_base(txn, dbs, chunk_size: int, live_epoch: int, source_uuid: bytes,
     if _changed_since(txn, dbs, root, base):
         raise MirrorError(f"the mirror has changed since its copy of base snapshot "
                           f"{base.name!r}; pass --force to roll it back to the base")
+    return base
 
 
 def _changed_since(txn, dbs, root: S.Inode, snap: S.Snapshot) -> bool:
@@ -198,22 +359,14 @@ def rollback_to(txn, dbs, chunk_size: int, base_uuid: str) -> None:
     if base is None:
         raise MirrorError(f"the mirror does not have the base snapshot ({base_uuid})")
     snaps.rollback(txn, dbs, chunk_size, base, force=True)
-    _mark_clean(txn, dbs, base)
-
-
-def _mark_clean(txn, dbs, base: S.Snapshot) -> None:
-    """The live tree was just made equal to ``base``: close the live epoch so that it counts
-    as unchanged since ``base`` until something writes again."""
-    epoch = snaps.live_epoch(txn, dbs)
-    txn.put(b"rolled_back_to", S.u64(epoch) + base.uuid, db=dbs["meta"])
-    txn.put(b"live_epoch", S.u64(epoch + 1), db=dbs["meta"])
+    snaps.mark_equal(txn, dbs, base)
 
 
 def _drop_staged(txn, dbs) -> None:
     """Chunks staged but not adopted by this commit belong to no cycle any more."""
     cur = txn.cursor(dbs["staged"])
-    for digest in list(cur.iternext(values=False)):
-        digest = bytes(digest)
+    # copied first: the keys are views into pages that the deletes below rewrite
+    for digest in [bytes(k) for k in cur.iternext(values=False)]:
         if txn.get(digest, db=dbs["refs"]) is None:
             txn.delete(digest, db=dbs["blobs"])
         txn.delete(digest, db=dbs["staged"])
@@ -232,45 +385,127 @@ def purge_deleted(store: Store) -> None:
 # ---- applying a changeset -----------------------------------------------------------------
 
 def apply(live: Live, cs: Changeset) -> None:
-    """Make the live tree hold every TO value of ``cs``. In DistCp's order: entries that go
-    away or change first (deletes and rename sources), then inodes that are gone, then new
-    entries (creates and rename targets), then records, xattrs and chunks."""
-    _validate(cs, live.chunk_size)
-    subdirs = _Subdirs(live, cs)
-    parents, detached = set(), set()
-    for (d, name), child in cs.entries.items():
-        now = live.lookup(d, name)
-        if now is not None and now != child:
-            live.delete_dirent(d, name)
-            parents.add(d)
-            detached.add(now)
-    for x, rec in cs.inodes.items():
-        if rec is None and live.inode(x) is not None:
-            _drop(live, x, cs)
-    arrived_dirs = []
-    for (d, name), child in cs.entries.items():
-        if child is not None and live.lookup(d, name) != child:
-            live.put_dirent(d, name, child)
-            parents.add(d)
-            arrived_dirs.append(child)
-    for x, rec in cs.inodes.items():
-        if rec is not None:
-            put_live(live.txn, live.db["inodes"], S.inode_key(x),
-                     rec.evolve(mepoch=live.live).pack(), live.live)
-    for x, xattrs in cs.xattrs.items():
-        _set_xattrs(live, x, xattrs)
-    for x, leaves in cs.chunks.items():
-        for index, value in leaves.items():
-            _set_chunk(live, x, index, value)
-    _check_tree(live, cs, arrived_dirs)
-    _raise_next_ino(live, cs)
-    for x in sorted(parents | {x for x, r in cs.inodes.items() if r is not None}):
-        live.propagate(x)
-    for x in sorted(parents | ((cs.xattrs.keys() | cs.chunks.keys()) - cs.inodes.keys())):
-        if live.inode(x) is not None:
-            live.touch(x)         # entry- or content-only changes raise the epochs too
-    subdirs.count_arrivals(live, cs)
-    _check_invariants(live, cs, parents | detached | subdirs.retyped_parents, subdirs)
+    """Make the live tree hold every TO value of ``cs`` (see apply_parts)."""
+    apply_parts(live, lambda: iter([cs]))
+
+
+def apply_parts(live: Live, parts: Parts) -> None:
+    """Make the live tree hold every TO value of the changeset whose parts ``parts()``
+    yields (a fresh iterator each call: a part is read again for each step rather than all
+    of them held), in one transaction: each step of _Apply over every part, then its
+    finish."""
+    steps = _Apply(live.chunk_size)
+    for step in steps.steps():
+        for cs in parts():
+            step(live, cs)
+    steps.finish(live, parts)
+
+
+class _Apply:
+    """One commit's steps, in DistCp's order across all parts: entries that go away or
+    change first (deletes and rename sources), then inodes that are gone, then new entries
+    (creates and rename targets), then records, then xattrs and chunks; the finish then
+    checks the names, raises the epochs of what changed (up to the root) and checks the
+    tree rules against the store's state. The finish writes what directories and records
+    of content-only changes take, not the change's bulk. Each step is called with (live tree, part) for every part in turn,
+    in one transaction or in several (commit_staged). What the commit carries between parts
+    is inode numbers only: directories whose entries changed, displaced inodes, subdirectory
+    counts of directories, and, when something is dropped, the inodes the changeset names."""
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+        self.parents: set[int] = set()
+        self.detached: set[int] = set()
+        self.subdirs = _Subdirs()
+        self.named: set[int] | None = None     # a set once any part drops an inode
+        self.entries = self.inodes = 0          # what the commit changes, for its log line
+
+    def reading_steps(self) -> list:
+        """Steps that only read the tree: every part is checked before the tree changes."""
+        return [self.check, self.collect_named]
+
+    def writing_steps(self) -> list:
+        return [self.unlink, self.drop, self.link, self.records, self.content]
+
+    def steps(self) -> list:
+        return self.reading_steps() + self.writing_steps()
+
+    def check(self, live: Live, cs: Changeset) -> None:
+        """Validates a part, and raises the inode counter first (fsck checks every version
+        of a half-applied commit against it too)."""
+        _validate(cs, self.chunk_size)
+        _raise_next_ino(live, cs)
+        self.subdirs.note_before(live, cs)
+        self.entries += len(cs.entries)
+        self.inodes += len(cs.inodes)
+        if self.named is None and any(rec is None for rec in cs.inodes.values()):
+            self.named = set()
+
+    def collect_named(self, live: Live, cs: Changeset) -> None:
+        if self.named is not None:
+            self.named.update(cs.inodes)
+
+    def unlink(self, live: Live, cs: Changeset) -> None:
+        for (d, name), child in cs.entries.items():
+            now = live.lookup(d, name)
+            if now is not None and now != child:
+                live.delete_dirent(d, name)
+                self.parents.add(d)
+                self.detached.add(now)
+
+    def drop(self, live: Live, cs: Changeset) -> None:
+        if self.named is None:
+            return
+        for x, rec in cs.inodes.items():
+            if rec is None and live.inode(x) is not None:
+                _drop(live, x, self.named)
+
+    def link(self, live: Live, cs: Changeset) -> None:
+        for (d, name), child in cs.entries.items():
+            if child is not None and live.lookup(d, name) != child:
+                live.put_dirent(d, name, child)
+                self.parents.add(d)
+
+    def records(self, live: Live, cs: Changeset) -> None:
+        for x, rec in cs.inodes.items():
+            if rec is not None:
+                put_live(live.txn, live.db["inodes"], S.inode_key(x),
+                         rec.evolve(mepoch=live.live).pack(), live.live)
+
+    def content(self, live: Live, cs: Changeset) -> None:
+        for x, xattrs in cs.xattrs.items():
+            _set_xattrs(live, x, xattrs)
+        for x, leaves in cs.chunks.items():
+            for index, value in leaves.items():
+                _set_chunk(live, x, index, value)
+
+    def settle(self, live: Live, cs: Changeset) -> None:
+        """The epochs of what one part changed, up to the root."""
+        for x in sorted(x for x, r in cs.inodes.items() if r is not None):
+            live.propagate(x)
+        for x in sorted((cs.xattrs.keys() | cs.chunks.keys()) - cs.inodes.keys()):
+            if live.inode(x) is not None:
+                live.touch(x)     # content-only changes raise the epochs too
+
+    def finish(self, live: Live, parts: Parts) -> None:
+        """Every name the commit links must lead to an inode it carries before any epoch is
+        raised along it; then the epochs; then the tree rules."""
+        for cs in parts():
+            _check_tree(live, cs, [c for c in cs.entries.values() if c is not None])
+        for cs in parts():
+            self.settle(live, cs)
+        for x in sorted(self.parents):
+            live.propagate(x)
+        for x in sorted(self.parents):
+            if live.inode(x) is not None:
+                live.touch(x)     # as do entry-only ones
+        for cs in parts():
+            self.subdirs.count_arrivals(live, cs)
+        for cs in parts():
+            _check_invariants(live, cs, set(), self.subdirs)
+        _check_invariants(live, Changeset(),
+                          self.parents | self.detached | self.subdirs.retyped_parents,
+                          self.subdirs)
 
 
 class _Subdirs:
@@ -278,12 +513,17 @@ class _Subdirs:
     from the change (O(change), not O(entries): a commit adding one name to a directory of
     a million must not read the million). Before: nlink - 2, which the mirror's previous
     commits were checked to keep; then minus the directories the changed names named, plus
-    those they name now, plus or minus children whose type changes under unchanged names."""
+    those they name now, plus or minus children whose type changes under unchanged names.
+    Only directories are remembered (anything else held none before), so a first copy of a
+    million files holds a number per directory, not per file."""
 
-    def __init__(self, live: Live, cs: Changeset):
+    def __init__(self):
         self.before: dict[int, int] = {}
         self.delta: Counter = Counter()
         self.retyped_parents: set[int] = set()
+
+    def note_before(self, live: Live, cs: Changeset) -> None:
+        """Before the changes: the counts of the directories one part touches."""
         for (d, name), child in cs.entries.items():
             old = live.lookup(d, name)
             self._note(live, d, old, child)
@@ -306,7 +546,8 @@ class _Subdirs:
         for x in inos:
             if x is not None and x not in self.before:
                 rec = live.inode(x)
-                self.before[x] = rec.nlink - 2 if rec and stat.S_ISDIR(rec.mode) else 0
+                if rec is not None and stat.S_ISDIR(rec.mode):
+                    self.before[x] = rec.nlink - 2
 
     @staticmethod
     def _is_dir(live: Live, x: int) -> bool:
@@ -314,15 +555,15 @@ class _Subdirs:
         return rec is not None and stat.S_ISDIR(rec.mode)
 
     def count_arrivals(self, live: Live, cs: Changeset) -> None:
-        """After the changes: the directories the changed names now name."""
+        """After the changes: the directories one part's changed names now name."""
         for (d, _), child in cs.entries.items():
             if child is not None and self._is_dir(live, child):
                 self.delta[d] += 1
 
-    def of(self, live: Live, d: int) -> int:
-        if d in self.before:
-            return self.before[d] + self.delta[d]
-        return invariants.subdir_count(live, d)
+    def of(self, d: int) -> int:
+        """Every directory asked about was noted before the changes (a commit's checks ask
+        only about what it touched); one that was not a directory then held none."""
+        return self.before.get(d, 0) + self.delta[d]
 
 
 def _raise_next_ino(live: Live, cs: Changeset) -> None:
@@ -391,15 +632,15 @@ def _check_invariants(live: Live, cs: Changeset, around: set[int], subdirs: _Sub
         if x != S.ROOT_INO and not names:
             raise MirrorError(f"commit leaves inode {x} without a name")
         problems = invariants.inode_problems(
-            live, x, rec, names, subdirs.of(live, x) if stat.S_ISDIR(rec.mode) else None,
+            live, x, rec, names, subdirs.of(x) if stat.S_ISDIR(rec.mode) else None,
             chunks=())
         if problems:
             raise MirrorError(f"commit refused: {problems[0]}")
 
 
-def _drop(live: Live, x: int, cs: Changeset) -> None:
+def _drop(live: Live, x: int, named) -> None:
     """Delete inode ``x`` and, for a directory, whatever only it held: entries under it
-    whose inodes the changeset does not mention are implied deletes."""
+    whose inodes the changeset does not name (``named``) are implied deletes."""
     todo = [x]
     while todo:
         ino = todo.pop()
@@ -409,7 +650,7 @@ def _drop(live: Live, x: int, cs: Changeset) -> None:
         if stat.S_ISDIR(rec.mode):
             for name, child in list(live.listdir(ino)):
                 live.delete_dirent(ino, name)
-                if child not in cs.inodes:
+                if child not in named:
                     todo.append(child)
         live.destroy(ino)
 
@@ -455,7 +696,8 @@ def _adopt(live: Live, digest: bytes, length: int) -> None:
 
 def _check_tree(live: Live, cs: Changeset, arrived_dirs: list[int]) -> None:
     """After the changes: every new entry names an inode that exists, and every directory
-    that arrived somewhere still hangs from the root (no cycle, nothing detached)."""
+    that arrived somewhere (or that an entry names) still hangs from the root (no cycle,
+    nothing detached)."""
     for (d, name), child in cs.entries.items():
         if child is not None and live.inode(child) is None:
             raise MirrorError(f"commit links {name!r} to inode {child}, which it does not "
@@ -482,7 +724,7 @@ def _check_tree(live: Live, cs: Changeset, arrived_dirs: list[int]) -> None:
 def epoch_of(txn, dbs, snap_uuid: str | None) -> int:
     """The epoch to compare at: a snapshot's (by uuid), or the live tree's (None)."""
     if snap_uuid is None:
-        return snaps.live_epoch(txn, dbs)
+        return snaps.readable_live_epoch(txn, dbs)
     for s in snaps.list_all(txn, dbs):
         if s.uuid.hex() == snap_uuid:
             return s.epoch
@@ -544,7 +786,7 @@ def repair(txn, dbs, chunk_size: int, base_uuid: str, cs: Changeset) -> None:
         raise MirrorError("repair works on the mirror's newest snapshot only; older "
                           "snapshots are immutable")
     apply(Live(txn, dbs, snaps.live_epoch(txn, dbs), chunk_size), cs)
-    _mark_clean(txn, dbs, newest[0])
+    snaps.mark_equal(txn, dbs, newest[0])
 
 
 # ---- reading back (restore --from) ----------------------------------------------------------

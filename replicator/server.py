@@ -14,6 +14,9 @@ API (version 1; bodies are zstd-compressed):
   POST /v1/missing              digests (32 bytes each) -> the digests the mirror lacks
   POST /v1/chunks               frames of digest:32 + length:u32 + data -> staged, verified
   POST /v1/commit               {"source_uuid", "base_uuid", "snapshot", "changeset"} (JSON)
+  POST /v1/parts/TRANSFER/N     part N of a changeset (JSON, at most 16 MiB): validated, staged
+  POST /v1/commit-parts         {"source_uuid", "base_uuid", "snapshot", "transfer", "parts":
+                                [hex digest of each part, in order]}: applies the staged parts
   POST /v1/rollback             {"base_uuid"} (JSON): discard mirror changes since the base
   POST /v1/buckets              {"snapshot": uuid or null, "recompute"} -> K hashes, 32 bytes each
   POST /v1/bucket-items         {"snapshot", "buckets": [..]} -> {bucket: {identity: hash}}
@@ -232,6 +235,44 @@ class Receiver:
                  len(cs.entries), len(cs.inodes))
         return JSONResponse({"ok": True})
 
+    async def part(self, request: Request):
+        """Stage one changeset part: bounded like a body, validated like a commit, counted
+        against the staging limits like chunks."""
+        transfer = _hex_id(request.path_params["transfer"])
+        index = request.path_params["index"]
+        body = await self.body(request)
+        raw = await trio.to_thread.run_sync(decompress, body,
+                                            min(self.limits.max_body, mirror.MAX_PART_BYTES))
+        free = await trio.to_thread.run_sync(lambda: self.store.disk_usage()[1])
+        await self.write(mirror.stage_part, self.store.chunk_size, transfer, index, raw,
+                         self.limits.staging, free)
+        return JSONResponse({"ok": True})
+
+    async def commit_parts(self, request: Request):
+        """Apply the parts the request names (each present and matching its digest) and
+        take the snapshot: atomically for every snapshot, in as many transactions as memory
+        needs (mirror.commit_staged)."""
+        req = await self.json(request)
+        snap = _snapshot_ref(req.get("snapshot"))
+        transfer = _hex_id(_string(req, "transfer"))
+        names = req["parts"]
+        if not isinstance(names, list) or not 0 < len(names) <= mirror.MAX_PARTS:
+            raise ValueError(f"parts must be a list of 1..{mirror.MAX_PARTS} digests")
+        digests = [_digest(d) for d in names]
+
+        def work():
+            done = mirror.commit_staged(self.store, _uuid(req, "source_uuid"),
+                                        _uuid_hex(req, "base_uuid"), snap, transfer, digests,
+                                        bool(req.get("reconcile")))
+            self.store.sync()
+            mirror.purge_deleted(self.store)
+            return done
+        async with self.write_lock:
+            done = await trio.to_thread.run_sync(work)
+        log.info("committed snapshot %s (%d names and %d inodes changed) from %d changeset "
+                 "parts", snap.name, done.entries, done.inodes, len(digests))
+        return JSONResponse({"ok": True})
+
     async def rollback(self, request: Request):
         req = await self.json(request)
         await self.write(mirror.rollback_to, self.store.chunk_size,
@@ -318,6 +359,19 @@ def _uuid_hex(req: dict, key: str, nullable: bool = True) -> str | None:
     return value.lower()
 
 
+def _hex_id(value: str) -> bytes:
+    """A transfer id: 32 hex digits."""
+    if not isinstance(value, str) or len(value) != 32:
+        raise ValueError("a transfer id is 32 hex digits")
+    return bytes.fromhex(value)
+
+
+def _digest(value) -> bytes:
+    if not isinstance(value, str) or len(value) != 64:
+        raise ValueError("a part digest is 64 hex digits")
+    return bytes.fromhex(value)
+
+
 def _uuid(req: dict, key: str) -> bytes:
     return bytes.fromhex(_uuid_hex(req, key, nullable=False))
 
@@ -372,6 +426,8 @@ def make_app(receiver: Receiver) -> Starlette:
         Route("/v1/missing", guarded(receiver.missing), methods=["POST"]),
         Route("/v1/chunks", guarded(receiver.chunks), methods=["POST"]),
         Route("/v1/commit", guarded(receiver.commit), methods=["POST"]),
+        Route("/v1/parts/{transfer}/{index:int}", guarded(receiver.part), methods=["POST"]),
+        Route("/v1/commit-parts", guarded(receiver.commit_parts), methods=["POST"]),
         Route("/v1/rollback", guarded(receiver.rollback), methods=["POST"]),
         Route("/v1/buckets", guarded(receiver.buckets), methods=["POST"]),
         Route("/v1/bucket-items", guarded(receiver.bucket_items), methods=["POST"]),
@@ -412,7 +468,10 @@ async def serve(store: Store, token: str, listen: str, certfile: str | None = No
     config.accesslog = None
     config.errorlog = log
     log.addFilter(_peer_gone)
-    config.read_timeout = max(30, int(limits.body_seconds))  # a silent peer is dropped
+    # No read timeout: hypercorn's would also cut a client that waits, silent, for a long
+    # commit (a million-file first copy takes minutes). An idle peer is dropped after
+    # keep_alive_timeout all the same, and a slow body by Receiver.body's rate.
+    config.read_timeout = None
     app = make_app(Receiver(store, token, admin_token, limits))
     await hypercorn_serve(app, config, shutdown_trigger=trio.sleep_forever,
                           task_status=task_status)

@@ -49,13 +49,17 @@ MB = 1e6
 class Receiver:
     """`mountfs serve-mirror STORE` on a free loopback port."""
 
-    def __init__(self, store: Path, token_file: Path, chunk_size: str = "1M"):
+    def __init__(self, store: Path, token_file: Path, chunk_size: str = "1M",
+                 cgroup: "MemoryCgroup | None" = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [VENV_BIN / "mountfs", "serve-mirror", store, "--listen", f"127.0.0.1:{self.port}",
-             "--token-file", token_file, "--chunk-size", chunk_size],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.log = store.parent / f"{store.name}.serve-mirror.log"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [VENV_BIN / "mountfs", "serve-mirror", store, "--listen",
+                 f"127.0.0.1:{self.port}", "--token-file", token_file,
+                 "--chunk-size", chunk_size], stdout=log, stderr=log,
+                preexec_fn=cgroup.enter if cgroup else None)
         wait_for_port(self.port, self.proc)
 
     def stop(self) -> None:
@@ -357,8 +361,29 @@ def main() -> None:
     ap.add_argument("--cluster", type=int, default=0, metavar="N",
                     help="replicate through a standalone Spark cluster of N one-core "
                          "workers on loopback (default: the embedded local[*])")
+    ap.add_argument("--memory", metavar="FILES,CHANGES",
+                    help="only measure peak memory (VmHWM and RssAnon) of the source and of "
+                         "the receiver: a first copy of FILES files and an incremental of "
+                         "CHANGES changes, stores built offline (e.g. 1000000,100000)")
+    ap.add_argument("--memory-limit", metavar="MIB", type=int,
+                    help="with --memory: run the source and the receiver each in a memory "
+                         "cgroup limited to MIB (the kernel then reclaims the store's mapped "
+                         "page cache; a cycle that needs more is OOM-killed)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    if args.memory:
+        files, changes = (int(n) for n in args.memory.split(","))
+        results = Results("bench_replicate_memory", vars(args))
+        with Workdir(args.workdir, "bench-repl-mem") as work:
+            results.add("machine_start", machine_info(work.path))
+            print(results.data["results"]["machine_start"])
+            bench_memory(work, files, changes, results,
+                         args.memory_limit << 20 if args.memory_limit else None)
+            results.add("machine_end", machine_info(work.path))
+            print(results.data["results"]["machine_end"])
+        if args.json:
+            results.write(args.json)
+        return
     if args.quick:
         args.files, args.total_mib, args.changed, args.verify_chunks = 5000, 100, 100, 100_000
     results = Results("bench_replicate", vars(args))
@@ -370,6 +395,157 @@ def main() -> None:
         print(results.data["results"]["machine_end"])
     if args.json:
         results.write(args.json)
+
+
+# ---- peak memory of a replication cycle (issue 11 point 3) ----------------------------------
+
+class MemoryCgroup:
+    """A memory cgroup of its own (v1 or v2, below this process's) with a hard limit: a
+    process put in it (``enter``, before exec) is charged for its own memory *and* for the
+    page cache it faults in (the store file it maps), and the kernel reclaims that cache
+    rather than let the group pass the limit. A cycle that completes inside the limit
+    needed no more; one that needed more is OOM-killed."""
+
+    def __init__(self, name: str, limit: int):
+        own = Path("/proc/self/cgroup").read_text().splitlines()
+        v1 = next((line.split(":", 2)[2] for line in own if ":memory:" in line), None)
+        if v1 is not None:
+            self.path = Path("/sys/fs/cgroup/memory") / v1.lstrip("/") / name
+            self.limit_file, self.peak_file = "memory.limit_in_bytes", "memory.max_usage_in_bytes"
+        else:
+            v2 = next(line.split(":", 2)[2] for line in own if line.startswith("0::"))
+            self.path = Path("/sys/fs/cgroup") / v2.lstrip("/") / name
+            self.limit_file, self.peak_file = "memory.max", "memory.peak"
+        self.path.mkdir()
+        (self.path / self.limit_file).write_text(str(limit))
+
+    def enter(self) -> None:
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak_mib(self) -> float:
+        return int((self.path / self.peak_file).read_text()) / (1 << 20)
+
+    def remove(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
+class Peak:
+    """Samples a process's RssAnon (its own memory, not LMDB's page-cache mapping) every
+    0.1 s; VmHWM (the kernel's exact peak RSS, mapped store pages included) is read by
+    the caller while the process lives, or from wait4 once it exits."""
+
+    def __init__(self, pid: int):
+        self.pid, self.anon_kib, self.done = pid, 0, threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.1):
+            self.anon_kib = max(self.anon_kib, status_kib(self.pid, "RssAnon") or 0)
+
+    def stop(self) -> int:
+        self.done.set()
+        self.thread.join()
+        return self.anon_kib
+
+
+def status_kib(pid: int, field: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def measured_cycle(store: Path, url: str, token: Path, snapshot: str,
+                   receiver: Receiver, work: Workdir,
+                   cgroup: MemoryCgroup | None = None) -> dict:
+    """One `snapctl replicate` (Spark kept out: all chunks sent from the source process) and
+    the peak memory of both sides during it (the source's VmHWM from wait4's rusage)."""
+    t = time.monotonic()
+    out_path, err_path = work.path / "cycle.out", work.path / "cycle.err"
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        proc = subprocess.Popen([VENV_BIN / "snapctl", "--store", store, "replicate",
+                                 "--to", url, "--snapshot", snapshot, "--token-file", token,
+                                 "--spark-threshold", "1T", "--json"], stdout=out, stderr=err,
+                                preexec_fn=cgroup.enter if cgroup else None)
+        src, dst = Peak(proc.pid), Peak(receiver.proc.pid)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.monotonic() - t
+    receiver_hwm = status_kib(receiver.proc.pid, "VmHWM")
+    receiver_file = status_kib(receiver.proc.pid, "RssFile")
+    if proc.returncode:
+        raise SystemExit(f"replicate failed: {err_path.read_text().strip()} (the receiver's "
+                         f"log: {receiver.log})")
+    summary = json.loads(out_path.read_text())
+    return {"seconds": seconds, "entries": summary["entries"], "inodes": summary["inodes"],
+            "chunks_sent": summary["chunks_sent"],
+            "source_vmhwm_mib": usage.ru_maxrss / 1024,
+            "source_rss_anon_mib": src.stop() / 1024,
+            "receiver_vmhwm_mib": receiver_hwm / 1024,
+            "receiver_rss_file_mib_at_end": receiver_file / 1024,
+            "receiver_rss_anon_mib": dst.stop() / 1024}
+
+
+def bench_memory(work: Workdir, files: int, changes: int, results: Results,
+                 limit: int | None = None) -> None:
+    """A first copy of ``files`` files (built offline through the store API, 1,000 files a
+    directory) and an incremental of ``changes`` changes (a quarter each of modifies,
+    renames, creates, deletes), each to a fresh receiver process so that its VmHWM is that
+    cycle's."""
+    import bench_diff
+    token = work.path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    store, mirror = work.path / "store", work.path / "mirror"
+    t = time.monotonic()
+    tree = bench_diff.build_tree(store, files, max(1, files // 1000))
+    bench_diff.snapshot(store, "s0")
+    print(f"built {files:,} files offline in {time.monotonic() - t:.0f} s")
+    rows = []
+    for label, snap in (("first copy", "s0"), ("incremental", "s1")):
+        if snap == "s1":
+            kinds = bench_diff.change_files(tree, changes)
+            bench_diff.snapshot(store, "s1")
+            label = f"incremental ({changes:,} changes: {kinds})"
+        groups = [MemoryCgroup(f"bench-{side}-{os.getpid()}-{snap}", limit)
+                  for side in ("source", "receiver")] if limit else [None, None]
+        if limit:       # each side then faults in (and is charged for) every page it maps
+            subprocess.run(["sync"], check=True)
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        receiver = Receiver(mirror, token, cgroup=groups[1])
+        try:
+            figures = measured_cycle(store, receiver.url, token, snap, receiver, work,
+                                     groups[0])
+        finally:
+            receiver.stop()
+            if limit:
+                figures_limit = {f"{side}_cgroup_peak_mib": g.peak_mib()
+                                 for side, g in zip(("source", "receiver"), groups)}
+                for g in groups:
+                    g.remove()
+        if limit:
+            figures.update(figures_limit, cgroup_limit_mib=limit / (1 << 20))
+            print(f"  inside a memory cgroup of {limit >> 20} MiB each: completed; cgroup "
+                  f"peak (own memory + page cache charged) source "
+                  f"{figures['source_cgroup_peak_mib']:.0f} MiB, receiver "
+                  f"{figures['receiver_cgroup_peak_mib']:.0f} MiB")
+        results.add(snap, figures)
+        rows.append([label, f"{figures['seconds']:.0f}", figures["entries"], figures["inodes"],
+                     f"{figures['source_vmhwm_mib']:.0f}",
+                     f"{figures['source_rss_anon_mib']:.0f}",
+                     f"{figures['receiver_vmhwm_mib']:.0f}",
+                     f"{figures['receiver_rss_anon_mib']:.0f}"])
+        print(rows[-1])
+    print_table(f"peak memory of replication, {files:,} files (MiB)",
+                ["cycle", "s", "names", "inodes", "source VmHWM", "source RssAnon",
+                 "receiver VmHWM", "receiver RssAnon"], rows)
 
 
 def run_all(work: Workdir, args, results: Results) -> None:

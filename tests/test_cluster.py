@@ -224,15 +224,17 @@ class NsReceiver:
     def __init__(self, store: Path, token_file: Path):
         self.store, self.port = store, free_port()
         self.url = f"http://{NET.receiver_s}:{self.port}"
-        self.proc = subprocess.Popen(
-            in_namespace(NET.ns_receiver, [sys.executable, "-m", "cmdline.mountfs",
-                                       "serve-mirror", store, "--listen",
-                                       f"0.0.0.0:{self.port}", "--token-file", token_file]),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+        self.log = store.parent / f"{store.name}.receiver.log"   # a file: a pipe nobody reads
+        with open(self.log, "ab") as log:                        # would block a chatty server
+            self.proc = subprocess.Popen(
+                in_namespace(NET.ns_receiver, [sys.executable, "-m", "cmdline.mountfs",
+                                           "serve-mirror", store, "--listen",
+                                           f"0.0.0.0:{self.port}", "--token-file",
+                                           token_file]),
+                stdout=subprocess.DEVNULL, stderr=log, cwd=Path(__file__).parent.parent)
         wait_for("the receiver", lambda: self.proc.poll() is not None or
                  listening(NET.receiver_s, self.port))
-        assert self.proc.poll() is None, self.proc.stderr.read()
+        assert self.proc.poll() is None, self.log.read_text()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -396,14 +396,16 @@ def test_cli_replicate_json_summary(mounted, tmp_path):
     assert proc.returncode == 1 and err.strip() == "snapctl: no snapshot named 'no-such-snapshot'"
 
 
-def staged_count(mirror: Path) -> int:
+def staged_count(mirror: Path, key_length: int = 32) -> int:
+    """Chunks staged on the mirror (keys of 32 bytes; changeset parts have 24)."""
     try:
         store = Store.open(mirror, readonly=True, lock=False)
     except Exception:
         return 0
     try:
         with store.read() as txn:
-            return txn.stat(store.db["staged"])["entries"]
+            return sum(len(k) == key_length
+                       for k in txn.cursor(store.db["staged"]).iternext(values=False))
     finally:
         store.close()
 
