@@ -404,10 +404,10 @@ def apply_parts(live: Live, parts: Parts) -> None:
 class _Apply:
     """One commit's steps, in DistCp's order across all parts: entries that go away or
     change first (deletes and rename sources), then inodes that are gone, then new entries
-    (creates and rename targets), then records, then xattrs and chunks; the finish then
-    checks the names, raises the epochs of what changed (up to the root) and checks the
-    tree rules against the store's state. The finish writes what directories and records
-    of content-only changes take, not the change's bulk. Each step is called with (live tree, part) for every part in turn,
+    (creates and rename targets), then records, then xattrs and chunks, then the names
+    checked and the epochs of what changed raised up to the root; the finish raises those of
+    the directories whose entries changed and checks the tree rules against the store's
+    state. The finish writes only directories: the change's bulk is in the steps. Each step is called with (live tree, part) for every part in turn,
     in one transaction or in several (commit_staged). What the commit carries between parts
     is inode numbers only: directories whose entries changed, displaced inodes, subdirectory
     counts of directories, and, when something is dropped, the inodes the changeset names."""
@@ -425,7 +425,8 @@ class _Apply:
         return [self.check, self.collect_named]
 
     def writing_steps(self) -> list:
-        return [self.unlink, self.drop, self.link, self.records, self.content]
+        return [self.unlink, self.drop, self.link, self.records, self.content,
+                self.check_names, self.settle]
 
     def steps(self) -> list:
         return self.reading_steps() + self.writing_steps()
@@ -479,6 +480,12 @@ class _Apply:
             for index, value in leaves.items():
                 _set_chunk(live, x, index, value)
 
+    def check_names(self, live: Live, cs: Changeset) -> None:
+        """Once every part is written: each name a part links leads to an inode the commit
+        carries, under a directory, and no directory it moved is cut off from the root;
+        before any epoch is raised along those names (settle)."""
+        _check_tree(live, cs, [c for c in cs.entries.values() if c is not None])
+
     def settle(self, live: Live, cs: Changeset) -> None:
         """The epochs of what one part changed, up to the root."""
         for x in sorted(x for x, r in cs.inodes.items() if r is not None):
@@ -488,12 +495,7 @@ class _Apply:
                 live.touch(x)     # content-only changes raise the epochs too
 
     def finish(self, live: Live, parts: Parts) -> None:
-        """Every name the commit links must lead to an inode it carries before any epoch is
-        raised along it; then the epochs; then the tree rules."""
-        for cs in parts():
-            _check_tree(live, cs, [c for c in cs.entries.values() if c is not None])
-        for cs in parts():
-            self.settle(live, cs)
+        """The epochs of the directories whose entries changed, then the tree rules."""
         for x in sorted(self.parents):
             live.propagate(x)
         for x in sorted(self.parents):
