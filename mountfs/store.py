@@ -217,6 +217,17 @@ class Store:
             st.f_blocks * st.f_frsize
 
 
+READAHEAD_MIN_VALUE = 64 << 10      # mean value size from which readahead pays (see below)
+
+
+def readahead_suits(total_bytes: int, values: int) -> bool:
+    """Whether a process about to read ``values`` chunks of ``total_bytes`` in all should
+    map the store with readahead (``Store.open(readahead=...)``): yes for large chunks,
+    no for small ones, whose random pages would each pull ~128 KiB into the page cache
+    (a 1M-file replication source thrashed a 512 MiB memory limit that way)."""
+    return values > 0 and total_bytes >= READAHEAD_MIN_VALUE * values
+
+
 def _open_env(path: Path, readonly: bool, create: bool,
               readahead: bool = True) -> lmdb.Environment:
     # Readahead on suits chunk data (a chunk's overflow pages are contiguous, read in
