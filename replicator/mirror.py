@@ -14,6 +14,7 @@ directory cycles, and a mirror that changed since its base.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import time
@@ -31,7 +32,9 @@ from mountfs.store import Store, StoreError, delete_live, put_live
 
 from .changeset import Changeset
 
+log = logging.getLogger(__name__)
 Parts = Callable[[], Iterator[Changeset]]     # a fresh iterator over a changeset's parts
+
 
 class MirrorError(StoreError):
     """A replication request the mirror refuses (one clear line for the user)."""
@@ -259,16 +262,16 @@ def commit_staged(store: Store, source_uuid: bytes, base_uuid: str | None,
         base = _check_commit(txn, dbs, store.chunk_size, source_uuid, base_uuid, snapshot,
                              reconcile)
         live = Live(txn, dbs, snaps.live_epoch(txn, dbs), store.chunk_size)
-        for step in steps.reading_steps():
-            for cs in parts():
-                step(live, cs)
-        if sum(cs.records() for cs in parts()) <= batch:
-            for step in steps.writing_steps():
-                for cs in parts():
+        held = _checked(live, parts, steps, batch)
+        if held is not None:
+            for step in [steps.collect_named] + steps.writing_steps():
+                for cs in held:
                     step(live, cs)
-            steps.finish(live, parts)
+            steps.finish(live, lambda: iter(held))
             return Committed(_take_snapshot(txn, dbs, store.chunk_size, source_uuid, snapshot),
                              steps.entries, steps.inodes)
+        for cs in parts():
+            steps.collect_named(live, cs)
         snaps.begin_undoable(txn, dbs, base)
     try:
         for step in steps.writing_steps():
@@ -280,9 +283,34 @@ def commit_staged(store: Store, source_uuid: bytes, base_uuid: str | None,
             return Committed(_take_snapshot(txn, dbs, store.chunk_size, source_uuid, snapshot),
                              steps.entries, steps.inodes)
     except BaseException:
-        with store.write() as txn:
-            snaps.undo_interrupted(txn, dbs, store.chunk_size)
+        _undo_refused(store)
         raise
+
+
+def _checked(live: Live, parts: Parts, steps: "_Apply", batch: int) -> list | None:
+    """Run the check step over every part; return the parts parsed, if they hold at most
+    ``batch`` records (one transaction's worth, so the steps need not parse them again),
+    else None (they are read back for each step)."""
+    held: list | None = []
+    for cs in parts():
+        steps.check(live, cs)
+        if held is not None and steps.checked <= batch:
+            held.append(cs)
+        else:
+            held = None
+    return held
+
+
+def _undo_refused(store: Store) -> None:
+    """Put the live tree back after a batched commit failed part-way. If that fails too
+    (a full disk), the error that refused the commit is the one to report: the undo mark
+    stays, and the next open of the store undoes the change (snapshots.undo_interrupted)."""
+    try:
+        with store.write() as txn:
+            snaps.undo_interrupted(txn, store.db, store.chunk_size)
+    except Exception as e:
+        log.warning("could not undo the half-applied commit now (%s); the next open of "
+                    "the store undoes it", e)
 
 
 def _in_batches(store: Store, transfer: bytes, count: int, step, batch: int) -> None:
@@ -419,17 +447,16 @@ class _Apply:
         self.subdirs = _Subdirs()
         self.named: set[int] | None = None     # a set once any part drops an inode
         self.entries = self.inodes = 0          # what the commit changes, for its log line
-
-    def reading_steps(self) -> list:
-        """Steps that only read the tree: every part is checked before the tree changes."""
-        return [self.check, self.collect_named]
+        self.checked = 0                        # records checked so far
 
     def writing_steps(self) -> list:
         return [self.unlink, self.drop, self.link, self.records, self.content,
                 self.check_names, self.settle]
 
     def steps(self) -> list:
-        return self.reading_steps() + self.writing_steps()
+        """Every step: two that only read the tree (every part is checked before the tree
+        changes), then the writing ones."""
+        return [self.check, self.collect_named] + self.writing_steps()
 
     def check(self, live: Live, cs: Changeset) -> None:
         """Validates a part, and raises the inode counter first (fsck checks every version
@@ -439,6 +466,7 @@ class _Apply:
         self.subdirs.note_before(live, cs)
         self.entries += len(cs.entries)
         self.inodes += len(cs.inodes)
+        self.checked += cs.records()
         if self.named is None and any(rec is None for rec in cs.inodes.values()):
             self.named = set()
 

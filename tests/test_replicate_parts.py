@@ -293,6 +293,52 @@ def test_a_batched_commit_refused_at_its_last_check_leaves_the_mirror_as_it_was(
     assert_mirror_equals(mounted, tmp_path / "mirror", "s0", tmp_path)
 
 
+def test_an_undo_that_fails_after_a_refusal_reports_the_refusal(mounted, tmp_path,
+                                                                monkeypatch):
+    """A batched commit is refused part-way and putting the live tree back fails too (as
+    on a full disk): the refusal is what the caller hears, the undo mark stays, and the
+    next locked open of the store undoes the change. The undo's failure is injected; the
+    store, the parts and the refusal are real."""
+    from mountfs import snapshots
+    from replicator import mirror as mirror_mod
+    monkeypatch.setenv("MOUNTFS_COMMIT_BATCH", "5")
+    populate(mounted.mnt)
+    mounted.snapctl("create", "s0")
+    send(mounted, tmp_path / "mirror", "s0", inline_bytes=1 << 40)
+    before = mirror_info(tmp_path / "mirror")
+    parts = [part_json(Changeset(entries={(1, b"new%d" % (i * 10 + j)): None
+                                          for j in range(10)})) for i in range(3)]
+    parts.append(part_json(Changeset(entries={(1, b"dangling"): 999})))
+    transfer = os.urandom(16)
+    store = Store.open(tmp_path / "mirror")
+    try:
+        with store.write() as txn:
+            digests = [mirror_mod.stage_part(txn, store.db, store.chunk_size, transfer, i, raw)
+                       for i, raw in enumerate(parts)]
+        real_undo, calls = snapshots.undo_interrupted, []
+
+        def undo_on_a_full_disk(*args):
+            calls.append(args)
+            if len(calls) > 1:                  # the first call only looks for a mark
+                raise OSError(28, "No space left on device")
+            return real_undo(*args)
+
+        monkeypatch.setattr(snapshots, "undo_interrupted", undo_on_a_full_disk)
+        with pytest.raises(mirror_mod.MirrorError, match="inode 999"):
+            mirror_mod.commit_staged(
+                store, bytes.fromhex(before["mirror_of"]), before["snapshots"][0]["uuid"],
+                mirror_mod.SnapshotRef("evil", "22" * 16, 1), transfer, digests)
+        assert len(calls) == 2, "the undo was never tried"
+        monkeypatch.setattr(snapshots, "undo_interrupted", real_undo)
+    finally:
+        store.close()
+    assert undo_mark(tmp_path / "mirror") is not None     # left for the next open
+    Store.open(tmp_path / "mirror").close()                # which undoes it
+    assert undo_mark(tmp_path / "mirror") is None
+    assert mirror_info(tmp_path / "mirror")["snapshots"] == before["snapshots"]
+    assert_mirror_equals(mounted, tmp_path / "mirror", "s0", tmp_path)
+
+
 # ---- hostile parts get 4xx and change nothing -----------------------------------------------
 
 def zstd(raw: bytes) -> bytes:
