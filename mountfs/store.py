@@ -25,13 +25,16 @@ import time
 import uuid as uuidlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import lmdb
 
 from . import buckets
 from . import schema as S
 from .errors import StoreError
+
+if TYPE_CHECKING:
+    from .mapread import MapReader
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ class Store:
         self.env = env
         self.lockfd = lockfd
         self.readonly = readonly
+        self._values: MapReader | None = None     # set when opened without readahead
         self.db = {name: env.open_db(name.encode(), create=False) for name in S.DB_NAMES}
         with env.begin() as txn:
             self.bucket_count = buckets.count_of(txn, self.db)
@@ -130,6 +134,9 @@ class Store:
             env = _open_env(path, readonly=readonly, create=False, readahead=readahead)
             _check_format(env, path)
             store = cls(path, env, lockfd, readonly)
+            if not readahead:
+                from .mapread import MapReader      # ctypes: loaded only where needed
+                store._values = MapReader(str(_data_file(path)))
         except BaseException:
             if lockfd is not None:
                 os.close(lockfd)
@@ -153,10 +160,19 @@ class Store:
             log.warning("%s: undid a change of the live tree that was cut short (a mirror's "
                         "commit); snapshots were never touched", self.path)
 
+    def copy(self, value) -> bytes:
+        """A value read in a transaction still open, as bytes. A store opened without
+        readahead copies a large one with one pread (mountfs.mapread): faulting it in
+        through the map would be a disk read per 4 KiB page."""
+        return self._values.copy(value) if self._values is not None else bytes(value)
+
     def close(self) -> None:
         if not self.readonly:
             self.env.sync(True)
         self.env.close()
+        if self._values is not None:
+            self._values.close()
+            self._values = None
         if self.lockfd is not None:
             _release_lock(self.lockfd)
             self.lockfd = None
@@ -217,23 +233,13 @@ class Store:
             st.f_blocks * st.f_frsize
 
 
-READAHEAD_MIN_VALUE = 64 << 10      # mean value size from which readahead pays (see below)
-
-
-def readahead_suits(total_bytes: int, values: int) -> bool:
-    """Whether a process about to read ``values`` chunks of ``total_bytes`` in all should
-    map the store with readahead (``Store.open(readahead=...)``): yes for large chunks,
-    no for small ones, whose random pages would each pull ~128 KiB into the page cache
-    (a 1M-file replication source thrashed a 512 MiB memory limit that way)."""
-    return values > 0 and total_bytes >= READAHEAD_MIN_VALUE * values
-
-
 def _open_env(path: Path, readonly: bool, create: bool,
               readahead: bool = True) -> lmdb.Environment:
     # Readahead on suits chunk data (a chunk's overflow pages are contiguous, read in
     # sequence): without it every 4 KiB page of a cold chunk is a separate synchronous disk
-    # read, ~8x slower. Off suits metadata-only readers (a diff): random B-tree pages, where
-    # readahead made a cold diff of a 1M-file store ~5x slower (docs/benchmarks.md).
+    # read, ~13x slower, unless the reader copies it with Store.copy. Off suits metadata
+    # readers (a diff, replication): random B-tree pages, where readahead made a cold diff
+    # of a 1M-file store ~5x slower (docs/benchmarks.md).
     try:
         return lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=len(S.DB_NAMES) + 2,
                          readonly=readonly, create=create, sync=True, metasync=False,

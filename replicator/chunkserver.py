@@ -155,7 +155,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             for digest, blob in zip(digests, data):
                 self.wfile.write(FRAME.pack(digest, len(blob)))
-                self.wfile.write(blob)
+                self.wfile.write(owner.store.copy(blob))
 
     def _refuse(self, status: int, message: str) -> None:
         body = message.encode()

@@ -446,7 +446,7 @@ def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, 
     try:
         if not os.path.exists(os.path.join(store, "data.mdb")):
             Store.mkfs(store, chunk_size)
-        st = Store.open(store, holder=f"serving a mirror on {listen}")
+        st = Store.open(store, holder=f"serving a mirror on {listen}", readahead=False)
     except StoreError as e:
         fail(str(e))
     scheme = "https" if tls_cert else "http"

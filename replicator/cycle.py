@@ -28,7 +28,7 @@ import blake3
 
 from mountfs import schema as S
 from mountfs import snapshots as snaps
-from mountfs.store import Store, StoreError, readahead_suits
+from mountfs.store import Store, StoreError
 
 from . import changeset, transfer
 from .mirror import MirrorError, SnapshotRef
@@ -78,7 +78,8 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
     phase = phase or (lambda text: None)
     started = time.monotonic()
     transfer.check_reachable(master, mirror.sink)
-    # Without readahead: the diff reads random B-tree pages, the inline sends small chunks.
+    # Without readahead: the diff reads random B-tree pages; chunks are copied
+    # out with one pread each (Store.copy).
     source = Store.open(source_path, readonly=True, lock=False, readahead=False)
     try:
         with source.read() as txn:
@@ -120,9 +121,6 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
         if sender.pending:
             phase(f"starting Spark to send {len(sender.pending)} chunks "
                   f"({sum(sender.pending.values())} bytes)")
-            if readahead_suits(sum(sender.pending.values()), len(sender.pending)):
-                source.close()      # the snapshot's chunks are immutable: reopen to stream
-                source = Store.open(source_path, readonly=True, lock=False)
             sender.add(transfer.send(source, mirror.sink,
                                      transfer.batches(list(sender.pending.items()),
                                                       batch_bytes),

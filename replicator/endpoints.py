@@ -32,7 +32,7 @@ class FileSink:
         self.path = path
 
     def put(self, chunks) -> tuple[int, int]:
-        store = Store.open(self.path, lock=False)
+        store = Store.open(self.path, lock=False, readahead=False)
         try:
             with store.write() as txn:
                 return mirror.stage(txn, store.db, chunks)
@@ -40,7 +40,7 @@ class FileSink:
             store.close()
 
     def missing(self, digests: list[bytes]) -> list[bytes]:
-        store = Store.open(self.path, readonly=True, lock=False)
+        store = Store.open(self.path, readonly=True, lock=False, readahead=False)
         try:
             with store.read() as txn:
                 return mirror.missing(txn, store.db, digests)
@@ -58,7 +58,7 @@ class LocalMirror:
                 if path.exists() and (not path.is_dir() or any(path.iterdir())):
                     raise StoreError(f"{path} exists and is not a mountfs store")
                 Store.mkfs(path, chunk_size)
-            self.store = Store.open(path, holder="replication")
+            self.store = Store.open(path, holder="replication", readahead=False)
         except OSError as e:
             raise StoreError(f"cannot use {path} as a mirror store: {e.strerror}; choose a "
                              f"directory this host can create and write") from None

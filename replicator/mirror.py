@@ -868,7 +868,7 @@ def read_chunks(store: Store, digests: list[bytes]) -> list[tuple[bytes, bytes]]
             data = txn.get(bytes(digest), db=store.db["blobs"])
             if data is None or txn.get(bytes(digest), db=store.db["refs"]) is None:
                 raise MirrorError(f"the mirror has no chunk {bytes(digest).hex()[:16]}")
-            data = bytes(data)
+            data = store.copy(data)
             if blake3.blake3(data).digest() != bytes(digest):
                 raise MirrorError(f"chunk {bytes(digest).hex()[:16]} is corrupt on the mirror "
                                   f"(run 'snapctl verify --full --repair')")

@@ -246,7 +246,7 @@ def _blob(txn, store, hexdigest: str) -> bytes:
     if data is None:
         raise StoreError(f"source chunk {hexdigest[:16]} is missing (was the snapshot "
                          f"deleted?)")
-    return bytes(data)
+    return store.copy(data)
 
 
 class TransferFailed(Exception):
@@ -391,7 +391,7 @@ class _BatchSender:
         try:
             if context is not None and context.attemptNumber() > 0:
                 digests = self.sink.missing(digests)
-            chunks = self._read(digests, sum(n for _, n in batch)) if digests else []
+            chunks = self._read(digests) if digests else []
             stored, nbytes = self.sink.put(chunks) if chunks else (0, 0)
         except Exception as e:
             if self.endpoint is not None:
@@ -400,12 +400,11 @@ class _BatchSender:
         return {"executor": self._executor(), "chunks": stored, "bytes": nbytes,
                 "seconds": time.monotonic() - started}
 
-    def _read(self, digests: list[bytes], nbytes: int) -> list[tuple[bytes, bytes]]:
+    def _read(self, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
         if self.endpoint is not None:
             return self.endpoint.fetch(digests, timeout=self.stall_seconds / 2)
-        from mountfs.store import Store, readahead_suits
-        store = Store.open(self.store_path, readonly=True, lock=False,
-                           readahead=readahead_suits(nbytes, len(digests)))
+        from mountfs.store import Store
+        store = Store.open(self.store_path, readonly=True, lock=False, readahead=False)
         try:
             with store.read() as txn:
                 return [(d, _blob(txn, store, d.hex())) for d in digests]
