@@ -36,6 +36,7 @@ MAX_CHUNKS = 4096                   # per batch: many tiny chunks weigh as much 
 CHUNK_COST = 64 << 10               # what one chunk costs beyond its bytes, when balancing
 EMBEDDED_MASTER = "local[*,4]"      # every core, a failed task retried up to 4 times
 DEFAULT_STALL_SECONDS = 300.0
+READAHEAD_MIN_CHUNK = 64 << 10      # mean chunk size from which readahead pays
 
 LOG4J_CONFIG = os.path.join(os.path.dirname(__file__), "log4j2.properties")
 QUIET_LOGGING = f"-Dlog4j.configurationFile=file:{LOG4J_CONFIG}"
@@ -222,6 +223,15 @@ def _run(sc, task, chunk_batches, stall_seconds, progress, explain=None) -> Sent
     return sent
 
 
+def readahead_suits(lengths) -> bool:
+    """Whether chunks of these lengths read faster from a store opened with readahead: when
+    they are large on average (contiguous overflow pages read in sequence, the next chunk
+    pulled in while this one is sent). Small ones are random pages that readahead would
+    each inflate to ~128 KiB (a 1M-file source thrashed a 512 MiB memory limit that way);
+    a store opened without it still copies a large chunk with one pread (Store.copy)."""
+    return bool(lengths) and sum(lengths) >= READAHEAD_MIN_CHUNK * len(lengths)
+
+
 def send_inline(store, stage, chunk_batches: list, progress=None) -> Sent:
     """The same batches sent from this process, without Spark (small transfers):
     ``stage(list of (digest, data))`` returns (chunks, bytes) stored."""
@@ -391,7 +401,7 @@ class _BatchSender:
         try:
             if context is not None and context.attemptNumber() > 0:
                 digests = self.sink.missing(digests)
-            chunks = self._read(digests) if digests else []
+            chunks = self._read(digests, [n for _, n in batch]) if digests else []
             stored, nbytes = self.sink.put(chunks) if chunks else (0, 0)
         except Exception as e:
             if self.endpoint is not None:
@@ -400,11 +410,12 @@ class _BatchSender:
         return {"executor": self._executor(), "chunks": stored, "bytes": nbytes,
                 "seconds": time.monotonic() - started}
 
-    def _read(self, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
+    def _read(self, digests: list[bytes], lengths: list[int]) -> list[tuple[bytes, bytes]]:
         if self.endpoint is not None:
             return self.endpoint.fetch(digests, timeout=self.stall_seconds / 2)
         from mountfs.store import Store
-        store = Store.open(self.store_path, readonly=True, lock=False, readahead=False)
+        store = Store.open(self.store_path, readonly=True, lock=False,
+                           readahead=readahead_suits(lengths))
         try:
             with store.read() as txn:
                 return [(d, _blob(txn, store, d.hex())) for d in digests]
