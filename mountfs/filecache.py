@@ -44,7 +44,9 @@ class DirtyChunk:
     """A chunk's buffered writes. ``ranges`` is None when ``data`` is the chunk's whole
     content; otherwise the stored chunk has not been read yet and ``data`` holds only the
     written [start, end) ranges (zeros elsewhere): a small write into a stored chunk costs
-    no read of the chunk until it is read back or committed (``FileCache._merge``)."""
+    no read of the chunk until it is read back or committed (``FileCache._merge``).
+    ``data`` is the WRITE's own ``bytes`` when one write covered the whole chunk (no copy
+    to buffer it, none to commit it), made a bytearray by the next write into it."""
     __slots__ = ("data", "gen", "since", "ranges")
 
     def __init__(self, data: bytearray, ranges: list[tuple[int, int]] | None = None):
@@ -167,11 +169,19 @@ class FileCache:
             dc = of.dirty.get(idx)
             if dc is None:
                 if within == 0 and take == cs:
-                    dc = DirtyChunk(bytearray(view_data[pos:pos + take]))
-                else:           # nothing stored past the size: nothing to read back
-                    dc = DirtyChunk(bytearray(), None if idx * cs >= of.size else [])
+                    whole = buf if take == len(buf) and isinstance(buf, bytes) \
+                        else bytes(view_data[pos:pos + take])
+                    dc = of.dirty[idx] = DirtyChunk(whole)
+                    self.dirty_bytes += cs
+                    full.append(idx)
+                    pos += take
+                    continue
+                # nothing stored past the size: nothing to read back
+                dc = DirtyChunk(bytearray(), None if idx * cs >= of.size else [])
                 of.dirty[idx] = dc
                 self.dirty_bytes += cs
+            if not isinstance(dc.data, bytearray):
+                dc.data = bytearray(dc.data)
             data = dc.data
             if len(data) < within:
                 data.extend(bytes(within - len(data)))

@@ -131,8 +131,8 @@ def _keep_freed_buffers() -> None:
     write path allocates several per chunk (pyfuse3's copy of each WRITE, the chunk's bytes,
     LMDB's overflow pages of the commit); by default each is an mmap that is faulted in page
     by page and unmapped when freed (with a TLB shootdown to the other threads' core), or
-    heap trimmed back to the kernel after every commit. Sequential write measured 194-312
-    MB/s without this, 249-434 MB/s with it (docs/benchmarks.md). Not glibc: nothing."""
+    heap trimmed back to the kernel after every commit. Sequential write went from a median
+    of 392 to 475 MB/s with it (docs/benchmarks.md). Not glibc: nothing."""
     import ctypes
     try:
         libc = ctypes.CDLL(None)
