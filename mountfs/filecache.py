@@ -167,19 +167,16 @@ class FileCache:
             idx, within = divmod(off + pos, cs)
             take = min(cs - within, len(buf) - pos)
             dc = of.dirty.get(idx)
-            if dc is None:
-                if within == 0 and take == cs:
-                    whole = buf if take == len(buf) and isinstance(buf, bytes) \
-                        else bytes(view_data[pos:pos + take])
-                    dc = of.dirty[idx] = DirtyChunk(whole)
-                    self.dirty_bytes += cs
-                    full.append(idx)
-                    pos += take
-                    continue
-                # nothing stored past the size: nothing to read back
-                dc = DirtyChunk(bytearray(), None if idx * cs >= of.size else [])
-                of.dirty[idx] = dc
-                self.dirty_bytes += cs
+            if dc is None and within == 0 and take == cs:      # buffered as it came
+                whole = buf if take == len(buf) and isinstance(buf, bytes) \
+                    else bytes(view_data[pos:pos + take])
+                self._add_dirty(of, idx, DirtyChunk(whole))
+                full.append(idx)
+                pos += take
+                continue
+            if dc is None:      # nothing stored past the size: nothing to read back
+                dc = self._add_dirty(of, idx, DirtyChunk(
+                    bytearray(), None if idx * cs >= of.size else []))
             if not isinstance(dc.data, bytearray):
                 dc.data = bytearray(dc.data)
             data = dc.data
@@ -200,6 +197,11 @@ class FileCache:
             self.flushed = trio.Event() if self.flushed.is_set() else self.flushed
             await self.flushed.wait()
         return len(buf)
+
+    def _add_dirty(self, of: OpenFile, idx: int, dc: DirtyChunk) -> DirtyChunk:
+        of.dirty[idx] = dc
+        self.dirty_bytes += self.engine.chunk_size
+        return dc
 
     def _stored_chunk(self, of: OpenFile, idx: int) -> bytes:
         if idx * self.engine.chunk_size >= of.size:

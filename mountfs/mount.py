@@ -132,14 +132,17 @@ def _keep_freed_buffers() -> None:
     LMDB's overflow pages of the commit); by default each is an mmap that is faulted in page
     by page and unmapped when freed (with a TLB shootdown to the other threads' core), or
     heap trimmed back to the kernel after every commit. Sequential write went from a median
-    of 392 to 475 MB/s with it (docs/benchmarks.md). Not glibc: nothing."""
+    of 392 to 475 MB/s with it (docs/benchmarks.md). A C library without mallopt (not
+    glibc) keeps its own policy; the mount works either way, and says so in its log."""
     import ctypes
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, MALLOC_MMAP_THRESHOLD)      # M_MMAP_THRESHOLD
-        libc.mallopt(-1, MALLOC_TRIM_THRESHOLD)      # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        log.info("this C library has no mallopt: large buffers keep its default policy")
+        return
+    for option, value in ((-3, MALLOC_MMAP_THRESHOLD), (-1, MALLOC_TRIM_THRESHOLD)):
+        if mallopt(option, value) != 1:               # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+            log.info("mallopt(%d, %d) was refused: large buffers keep the default policy",
+                     option, value)
 
 
 async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> None:

@@ -130,6 +130,7 @@ class Store:
             raise StoreError(f"{path} is not a mountfs store (no data.mdb); create one with "
                              f"'mountfs mkfs {path}'")
         lockfd = _take_lock(path, holder) if lock else None
+        env = None
         try:
             env = _open_env(path, readonly=readonly, create=False, readahead=readahead)
             _check_format(env, path)
@@ -138,6 +139,8 @@ class Store:
                 from .mapread import MapReader      # ctypes: loaded only where needed
                 store._values = MapReader(str(_data_file(path)))
         except BaseException:
+            if env is not None:
+                env.close()
             if lockfd is not None:
                 os.close(lockfd)
             raise
