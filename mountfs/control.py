@@ -170,10 +170,11 @@ class ControlServer:
         if op == "status":
             return {"ok": True, "pid": os.getpid(), "mountpoint": self.mountpoint,
                     "store": str(engine.store.path), "live_epoch": engine.live,
-                    "changed": engine.changed_since_snapshot(),
+                    "changed": await engine.changed_since_snapshot(),
                     "dirty_bytes": engine.files.dirty_bytes}
         if op == "flush":
             await engine.files.flush_all()
+            await engine.commit()
             return {"ok": True, "live_epoch": engine.live}
         if op == "list":
             return {"ok": True, "snapshots": [snapshot_json(s) for s in engine.list_snapshots()]}
@@ -198,8 +199,7 @@ class ControlServer:
             top, copied, _orphans = await engine.restore_path(
                 req["name"], req["path"], req["dest"], bool(req.get("force")), self.ops._is_open)
             parent = os.path.dirname(os.path.normpath("/" + req["dest"]))
-            with engine.view() as v:
-                pino = v.resolve(parent)
+            pino = await engine.look(lambda v: v.resolve(parent))
             await self.ops.invalidate([pino], [(pino, os.path.basename(
                 os.path.normpath(req["dest"])).encode("utf-8", "surrogateescape"))])
             return {"ok": True, "inode": top, "copied": copied}

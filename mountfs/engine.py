@@ -1,12 +1,14 @@
 """The mounted filesystem's engine: one open store, the rule for who may write when, the
 file cache, snapshots, and the background tasks (syncer, garbage collector).
 
-Concurrency rule (see docs/architecture.md): reads are short LMDB read transactions on the
-trio thread (microseconds). Every change is a step of a group commit: steps queue while a
-commit runs, and the next commit takes them all into one write transaction in one worker
-thread call (a synced commit costs an fdatasync, which must never block the trio thread).
-Step functions run in that worker thread: they may read trio-side state but must not change
-it.
+Concurrency rule (see docs/architecture.md): every change is a step for the committer
+(mountfs.committer), the one thread that writes the store: a step is applied to the open
+write transaction and answered at once; the transaction is committed within
+COMMIT_DELAY, and at once for fsync, a snapshot or unmount. Reads are short LMDB read
+transactions on the trio thread (microseconds), except reads of what an uncommitted change
+wrote (its marks): those go through the committer (``look``), so a caller always reads
+what the calls answered before it made. Step functions run in the committer's thread: they may
+read trio-side state but must not change it.
 """
 
 from __future__ import annotations
@@ -17,29 +19,18 @@ from collections import OrderedDict
 from contextlib import contextmanager
 
 import blake3
-import lmdb
 import trio
 
 from . import gc, snapshots
 from . import schema as S
+from .committer import COMMIT, LIVE, LOOK, SYNC, TXN, Committer, Step
 from .filecache import FileCache
-from .namespace import FsError, Live, View
-from .store import Store, StoreFull
+from .namespace import FsError, View
+from .store import Store
 
 log = logging.getLogger(__name__)
 
 SYNC_INTERVAL = 1.0
-
-
-class _Step:
-    """One operation of a group commit and, once ``done``, its result or error."""
-    __slots__ = ("fn", "args", "live", "durable", "done", "result", "error")
-
-    def __init__(self, fn, args, live: bool, durable: bool = False):
-        self.fn, self.args, self.live, self.durable = fn, args, live, durable
-        self.done = False
-        self.result = None
-        self.error: BaseException | None = None
 
 
 class Engine:
@@ -47,8 +38,11 @@ class Engine:
         self.store = store
         self.db = store.db
         self.chunk_size = store.chunk_size
-        self._pending: list[_Step] = []             # steps waiting for the next commit
-        self._committing: trio.Event | None = None  # set when the running commit ends
+        self._uncommitted = 0                       # live steps sent, not yet committed
+        self._dirty: dict = {}                      # mark -> transaction that changed it last
+        self._dirty_in: dict[int, list] = {}        # transaction -> marks of its steps
+        self._committer = Committer(store, lambda: self.live, self._on_commit)
+        self._token: trio.lowlevel.TrioToken | None = None
         self.files = FileCache(self)
         with store.read() as txn:
             self.live = store.live_epoch(txn)
@@ -75,15 +69,14 @@ class Engine:
         never wrong data. Checked digests are remembered. The chunk map and the data are read
         in one transaction: a chunk rewritten meanwhile is checked as it is now, so a blob
         missing here is missing from a map that names it, which only corruption does."""
-        def check():
-            with self.view(epoch) as v:
-                digests = self.unverified(v, ino, off, size)
-                for digest in digests:
-                    data = v.txn.get(digest, db=self.db["blobs"])
-                    if data is None or blake3.blake3(data).digest() != digest:
-                        return digest, digests
+        def check(v):
+            digests = self.unverified(v, ino, off, size)
+            for digest in digests:
+                data = v.txn.get(digest, db=self.db["blobs"])
+                if data is None or blake3.blake3(data).digest() != digest:
+                    return digest, digests
             return None, digests
-        bad, digests = await trio.to_thread.run_sync(check)
+        bad, digests = await self.look(check, epoch, io=True, marks=(ino,))
         if bad is not None:
             log.error("chunk %s is corrupt or missing in the store; run 'mountfs fsck'",
                       bad.hex())
@@ -96,109 +89,115 @@ class Engine:
 
     # ---- transactions ----------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Start the committer (in trio: its replies are delivered to this loop)."""
+        self._token = trio.lowlevel.current_trio_token()
+        self._committer.start()
+
+    def close(self) -> None:
+        """Commit what is open and stop the committer (idempotent; outside trio too)."""
+        self._committer.stop()
+
     @contextmanager
     def view(self, epoch: int | None = None):
+        """The tree at ``epoch`` (None: live) in a read transaction of the calling thread.
+        The live tree only while nothing is pending (else it would miss answered changes):
+        the trio thread uses ``look``."""
+        if epoch is None and self._uncommitted:
+            raise RuntimeError("live view while changes are uncommitted: use Engine.look")
         with self.store.read() as txn:
-            if epoch is None:
-                # a read-only mount follows a store another process writes (a mirror)
-                epoch = snapshots.readable_live_epoch(txn, self.db) if self.store.readonly \
-                    else self.live
-            elif txn.get(S.u64(epoch), db=self.db["snapepochs"]) is None:
-                # A snapshot deleted while the kernel still holds its inodes (an open file,
-                # a cwd): GC is reclaiming its versions, so what is left would read as holes
-                # or other epochs' data. Checked in the reading transaction: no race with GC.
-                raise FsError(errno.ESTALE)
-            yield View(txn, self.db, epoch, self.chunk_size)
+            yield self._view(txn, epoch)
 
-    async def mutate(self, fn, *args):
-        """Run ``fn(live, *args)`` as one step of the next group commit (in a worker
-        thread); returns its result once the step is committed. A step that raises leaves
-        no trace (it runs in a nested transaction)."""
-        return await self._submit(_Step(fn, args, live=True))
+    def _view(self, txn, epoch: int | None) -> View:
+        if epoch is None:
+            # a read-only mount follows a store another process writes (a mirror)
+            epoch = snapshots.readable_live_epoch(txn, self.db) if self.store.readonly \
+                else self.live
+        elif txn.get(S.u64(epoch), db=self.db["snapepochs"]) is None:
+            # A snapshot deleted while the kernel still holds its inodes (an open file,
+            # a cwd): GC is reclaiming its versions, so what is left would read as holes
+            # or other epochs' data. Checked in the reading transaction: no race with GC.
+            raise FsError(errno.ESTALE)
+        return View(txn, self.db, epoch, self.chunk_size)
+
+    def dirty(self, mark) -> bool:
+        """Whether an answered, uncommitted change wrote ``mark`` (committer.marks_of)."""
+        return mark in self._dirty
+
+    async def look(self, fn, epoch: int | None = None, io: bool = False, marks=None):
+        """``fn(view)`` of the tree at ``epoch`` (None: live), as the calls answered so far
+        left it. ``marks``: everything ``fn`` reads of the live tree (None: unknown). If an
+        uncommitted change wrote any of it, the committer runs ``fn`` in its open
+        transaction; otherwise it runs here on the committed tree, or in a worker thread
+        with ``io`` (reads that may wait for the disk, such as whole chunks). ``fn`` must
+        not touch trio state."""
+        if epoch is None and self._uncommitted and (
+                marks is None or any(m in self._dirty for m in marks)):
+            return await self._submit(Step(LOOK, lambda txn: fn(self._view(txn, None))))
+        if io:
+            return await trio.to_thread.run_sync(self._look_now, fn, epoch)
+        return self._look_now(fn, epoch)
+
+    def _look_now(self, fn, epoch: int | None):
+        with self.store.read() as txn:
+            return fn(self._view(txn, epoch))
+
+    async def mutate(self, fn, *args, nbytes: int = 0):
+        """Run ``fn(live, *args)`` as a step of the open transaction (in the committer's
+        thread); returns its result once applied: committed within COMMIT_DELAY, durable
+        once synced. ``nbytes``: chunk data it writes (bounds a transaction). A step that
+        raises leaves no trace (it runs in a nested transaction)."""
+        self._uncommitted += 1
+        return await self._submit(Step(LIVE, fn, args, nbytes))
 
     async def mutate_in_thread(self, fn, *args):
-        """Run ``fn(txn, *args)`` as one step of the next group commit (for big work:
-        rollback, restore, GC batches)."""
-        return await self._submit(_Step(fn, args, live=False))
+        """Run ``fn(txn, *args)`` in a transaction of its own, committed before it returns
+        (for big work: snapshots, rollback, restore, GC batches)."""
+        return await self._submit(Step(TXN, fn, args))
+
+    async def commit(self) -> None:
+        """Commit every answered change now (another process is about to read the store)."""
+        if not self.store.readonly:
+            await self._submit(Step(COMMIT))
 
     async def sync(self) -> None:
-        """Make everything committed durable: a commit that also syncs LMDB's meta page
-        (with ``metasync`` off, a commit leaves its meta page unsynced). A read-only mount
-        has nothing of its own to make durable and never writes the store: a no-op."""
-        if self.store.readonly:
-            return
-        await self._submit(_Step(None, (), live=False, durable=True))
+        """Make every answered change durable: commit, and sync LMDB's meta page (with
+        ``metasync`` off a commit leaves it unsynced). A read-only mount has nothing of its
+        own to make durable and never writes the store: a no-op."""
+        if not self.store.readonly:
+            await self._submit(Step(SYNC))
+            self._unsynced = False
 
-    async def _submit(self, step: "_Step"):
-        """Group commit: steps queue while a batch commits; the first waiting caller then
-        commits everything queued in one LMDB transaction, one fdatasync, in a worker thread
-        (the transaction begins and ends in that one call, as LMDB requires)."""
-        self._pending.append(step)
-        while not step.done:
-            if self._committing is None:
-                self._committing = trio.Event()
-                try:
-                    batch, self._pending = self._pending, []
-                    await trio.to_thread.run_sync(self._commit_batch, batch)
-                finally:
-                    committing, self._committing = self._committing, None
-                    committing.set()
-            else:
-                await self._committing.wait()
+    async def _submit(self, step: Step):
+        finished = trio.Event()
+        token = self._token
+        step.done = lambda _step: token.run_sync_soon(self._replied, step, finished)
+        self._committer.put(step)
+        await finished.wait()
         if step.error is not None:
             raise step.error
         return step.result
 
-    def _commit_batch(self, batch: list["_Step"]) -> None:
-        """Synced commits for every step of ``batch``, in order: consecutive ``mutate``
-        steps share one write transaction (each in a nested one); a ``mutate_in_thread``
-        step (GC batches, snapshots, rollback: cursors walking tables they change) gets a
-        transaction of its own. A durable step also syncs the meta page."""
-        try:
-            group: list[_Step] = []
-            for step in batch:
-                if step.fn is None:
-                    continue
-                if step.live:
-                    group.append(step)
-                    continue
-                self._commit_group(group)
-                group = []
-                try:
-                    with self.store.write() as txn:
-                        step.result = step.fn(txn, *step.args)
-                except StoreFull as e:
-                    step.error = FsError(errno.ENOSPC, str(e))
-                except Exception as e:
-                    step.error = e
-            self._commit_group(group)
-            if any(step.durable for step in batch):
-                self.store.sync()
-            self._unsynced = not any(step.durable for step in batch)
-        except StoreFull as e:
-            for step in batch:
-                step.error = step.error or FsError(errno.ENOSPC, str(e))
-        except BaseException as e:
-            for step in batch:
-                step.error = step.error or e
-        for step in batch:
-            step.done = True
+    def _replied(self, step: Step, finished: trio.Event) -> None:
+        """On the trio thread, before the caller sees the reply: remember what the step
+        wrote until its transaction commits."""
+        if step.marks:
+            for mark in step.marks:
+                self._dirty[mark] = step.txn_no
+            self._dirty_in.setdefault(step.txn_no, []).extend(step.marks)
+        finished.set()
 
-    def _commit_group(self, group: list["_Step"]) -> None:
-        if group:
-            with self.store.write() as txn:
-                for step in group:
-                    self._run_step(txn, step)
+    def _on_commit(self, steps: int, txn_no: int) -> None:
+        """In the committer's thread after each commit (or a refused live step)."""
+        if steps:
+            self._token.run_sync_soon(self._committed, steps, txn_no)
 
-    def _run_step(self, txn, step: "_Step") -> None:
-        try:
-            with self.store.env.begin(write=True, parent=txn, buffers=True) as child:
-                step.result = step.fn(Live(child, self.db, self.live, self.chunk_size),
-                                      *step.args)
-        except lmdb.MapFullError as e:
-            step.error = FsError(errno.ENOSPC, f"store map is full: {e}")
-        except Exception as e:
-            step.error = e
+    def _committed(self, steps: int, txn_no: int) -> None:
+        self._uncommitted -= steps
+        self._unsynced = True
+        for mark in self._dirty_in.pop(txn_no, ()):
+            if self._dirty.get(mark) == txn_no:
+                del self._dirty[mark]
 
     async def remove_orphans(self) -> int:
         """Delete inodes left unlinked-but-open by a process that died."""
@@ -228,11 +227,10 @@ class Engine:
         self.live = snap.epoch + 1
         return snap
 
-    def changed_since_snapshot(self) -> bool:
-        """Whether anything was committed since the newest snapshot: O(1), the root's
-        mepoch (buffered writes not yet committed are counted in ``files.dirty_bytes``)."""
-        with self.store.read() as txn:
-            root = View(txn, self.db, self.live, self.chunk_size).get(S.ROOT_INO)
+    async def changed_since_snapshot(self) -> bool:
+        """Whether anything changed since the newest snapshot: O(1), the root's mepoch
+        (buffered writes not yet committed are counted in ``files.dirty_bytes``)."""
+        root = await self.look(lambda v: v.get(S.ROOT_INO), marks=(S.ROOT_INO,))
         return root.mepoch >= self.live
 
     def list_snapshots(self) -> list[S.Snapshot]:
@@ -289,9 +287,8 @@ class Engine:
     async def collector(self) -> None:
         """Reclaim deleted snapshots' versions and purge deleted files, in short batches."""
         while True:
-            with self.store.read() as txn:
-                busy = gc.pending(txn, self.db)
-                token = gc.reclaim_token(txn, self.db)
+            busy, token = await self.look(
+                lambda v: (gc.pending(v.txn, self.db), gc.reclaim_token(v.txn, self.db)))
             if not busy:
                 await self._gc_wakeup.wait()
                 self._gc_wakeup = trio.Event()

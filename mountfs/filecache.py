@@ -203,21 +203,27 @@ class FileCache:
         self.dirty_bytes += self.engine.chunk_size
         return dc
 
-    def _stored_chunk(self, of: OpenFile, idx: int) -> bytes:
-        if idx * self.engine.chunk_size >= of.size:
+    async def _stored_chunk(self, of: OpenFile, idx: int) -> bytes:
+        cs, ino, size = self.engine.chunk_size, of.ino, of.size
+        if idx * cs >= size:
             return b""
-        with self.engine.view() as v:
-            data = v.chunk_data(of.ino, idx)
-        return data[:max(0, of.size - idx * self.engine.chunk_size)]
+        data = await self.engine.look(lambda v: v.chunk_data(ino, idx), io=True, marks=(ino,))
+        return data[:max(0, size - idx * cs)]
 
-    def read(self, of: OpenFile, idx: int) -> bytes | None:
-        """The buffered content of chunk ``idx``, if it is dirty."""
-        dc = of.dirty.get(idx)
-        if dc is None:
-            return None
-        if dc.ranges is not None:
-            self._merge(dc, self._stored_chunk(of, idx))
-        return bytes(dc.data)
+    async def contents(self, of: OpenFile, first: int, last: int) -> dict[int, bytes]:
+        """The buffered content of the dirty chunks among ``first``..``last``, each merged
+        with its stored chunk where only ranges of it were written."""
+        out = {}
+        for idx in sorted(i for i in of.dirty if first <= i <= last):
+            dc = of.dirty.get(idx)
+            if dc is not None and dc.ranges is not None:
+                stored = await self._stored_chunk(of, idx)
+                if dc.ranges is not None:           # not merged meanwhile
+                    self._merge(dc, stored)
+            dc = of.dirty.get(idx)
+            if dc is not None:
+                out[idx] = bytes(dc.data)
+        return out
 
     @staticmethod
     def _merge(dc: DirtyChunk, stored: bytes) -> None:
@@ -290,7 +296,7 @@ class FileCache:
         size and mtime (a close costs one commit, not two)."""
         for idx, dc in group:
             if dc.ranges is not None:
-                stored = await trio.to_thread.run_sync(self._stored_chunk, of, idx)
+                stored = await self._stored_chunk(of, idx)
                 if dc.ranges is not None:           # not merged by a read meanwhile
                     self._merge(dc, stored)
         copies = [(idx, dc, dc.gen, bytes(dc.data)) for idx, dc in group]
@@ -303,7 +309,8 @@ class FileCache:
                 lambda: [chunk_digest(d) for d in datas], limiter=HASH_THREADS)
         chunks = [(idx, digest, data) for (idx, _, _, data), digest in zip(copies, digests)]
         whole = whole and len(copies) == len(of.dirty)
-        await self.engine.mutate(self._commit_chunks, of, chunks, size, mtime, whole)
+        await self.engine.mutate(self._commit_chunks, of, chunks, size, mtime, whole,
+                                 nbytes=sum(map(len, datas)))
         for idx, dc, gen, _ in copies:
             if of.dirty.get(idx) is dc and dc.gen == gen:
                 del of.dirty[idx]

@@ -117,6 +117,7 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
             trio.run(_serve, engine, ops, mountpoint, ready)
             clean = True
         finally:
+            engine.close()
             pyfuse3.close(unmount=clean)
     finally:
         store.close()
@@ -151,6 +152,7 @@ async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> Non
 
     from .control import ControlServer
     from .namespace import FsError
+    engine.start()
     if not engine.store.readonly:
         n = await engine.remove_orphans()
         if n:

@@ -37,6 +37,7 @@ INO_BITS = 40                       # store inodes are at most schema.MAX_INO = 
 assert S.MAX_INO < 1 << INO_BITS
 assert VIRT_BASE + (S.MAX_SNAP_ID << INO_BITS) + S.MAX_INO < 1 << 64
 SNAPDIR_NAME = b".snapshot"
+READDIR_BATCH = 256                 # entries whose records one readdir step reads at once
 LIVE_TIMEOUT = 300.0
 SNAP_TIMEOUT = 3600.0
 READONLY_TIMEOUT = 1.0
@@ -91,7 +92,7 @@ class Operations(pyfuse3.Operations):
 
     def _where(self, ino: int) -> tuple[int | None, int]:
         """(epoch or None for live, store inode) of a kernel inode number. A snapshot that
-        no longer exists is ESTALE (``engine.view`` checks it again in its transaction)."""
+        no longer exists is ESTALE (``engine.look`` checks it again in its transaction)."""
         if ino < VIRT_BASE:
             return None, ino
         snap_id, real = divmod(ino - VIRT_BASE, 1 << INO_BITS)
@@ -152,46 +153,50 @@ class Operations(pyfuse3.Operations):
         e.st_ctime_ns = ctime
         return e
 
-    def _snapdir_attrs(self) -> pyfuse3.EntryAttributes:
-        with self.engine.view() as v:
-            root = v.get(S.ROOT_INO)
+    async def _snapdir_attrs(self) -> pyfuse3.EntryAttributes:
+        root = await self.engine.look(lambda v: v.get(S.ROOT_INO), marks=(S.ROOT_INO,))
         rec = root.evolve(mode=stat.S_IFDIR | 0o555, nlink=2)
         attrs = self._attrs(SNAPDIR_INO, rec, live=False)
         attrs.entry_timeout = attrs.attr_timeout = 1.0
         return attrs
 
-    def _attrs_of(self, kino: int) -> pyfuse3.EntryAttributes:
+    async def _attrs_of(self, kino: int) -> pyfuse3.EntryAttributes:
         if kino == SNAPDIR_INO:
-            return self._snapdir_attrs()
+            return await self._snapdir_attrs()
         epoch, real = self._where(kino)
-        with self.engine.view(epoch) as v:
-            return self._attrs(kino, v.get(real), live=epoch is None)
+        rec = await self.engine.look(lambda v: v.get(real), epoch, marks=(real,))
+        return self._attrs(kino, rec, live=epoch is None)
 
     # ---- lookup and forget ---------------------------------------------------------------
 
     @guard
     async def lookup(self, parent_inode, name, ctx=None):
         if parent_inode == S.ROOT_INO and name == SNAPDIR_NAME:
-            return self._snapdir_attrs()
+            return await self._snapdir_attrs()
         if parent_inode == SNAPDIR_INO:
             try:
                 snap = self.engine.snapshot(os.fsdecode(name))
             except Exception:
                 raise FsError(errno.ENOENT) from None
             kino = self._virtual(snap, S.ROOT_INO)
-            with self.engine.view(snap.epoch) as v:
-                attrs = self._attrs(kino, v.get(S.ROOT_INO), live=False)
+            root = await self.engine.look(lambda v: v.get(S.ROOT_INO), snap.epoch)
+            attrs = self._attrs(kino, root, live=False)
             self._counted(kino)
             return attrs
         if len(name) > S.NAME_MAX:      # before the lookup: POSIX says so, not ENOENT
             raise FsError(errno.ENAMETOOLONG)
         epoch, real = self._where(parent_inode)
-        with self.engine.view(epoch) as v:
+
+        def find(v):
             child = v.lookup(real, name)
-            if child is None:
-                raise FsError(errno.ENOENT)
-            kino = self._kernel_ino(parent_inode, child)
-            attrs = self._attrs(kino, v.get(child), live=epoch is None)
+            return (None, None) if child is None else (child, v.get(child))
+        child, rec = await self.engine.look(find, epoch, marks=((real, name),))
+        if child is None:
+            raise FsError(errno.ENOENT)
+        if epoch is None and self.engine.dirty(child):     # read above as last committed
+            rec = await self.engine.look(lambda v: v.get(child), marks=(child,))
+        kino = self._kernel_ino(parent_inode, child)
+        attrs = self._attrs(kino, rec, live=epoch is None)
         self._counted(kino)
         return attrs
 
@@ -210,9 +215,9 @@ class Operations(pyfuse3.Operations):
         if self._is_open(ino) or self.read_only:
             return
         try:
-            with self.engine.store.read() as txn:
-                orphan = txn.get(S.u64(ino), db=self.engine.db["orphans"]) is not None
-            if orphan:
+            orphans = self.engine.db["orphans"]
+            if await self.engine.look(lambda v: v.txn.get(S.u64(ino), db=orphans) is not None,
+                                      marks=(ino,)):
                 await self.engine.mutate(lambda live: live.destroy(ino))
                 self.engine.wake_gc()
         except Exception:
@@ -220,7 +225,7 @@ class Operations(pyfuse3.Operations):
 
     @guard
     async def getattr(self, inode, ctx=None):
-        return self._attrs_of(inode)
+        return await self._attrs_of(inode)
 
     # ---- attributes that change --------------------------------------------------------------
 
@@ -234,10 +239,8 @@ class Operations(pyfuse3.Operations):
             await self._truncate(inode, attr.st_size)
         changes = {}
         if fields.update_mode or fields.update_uid or fields.update_gid:
-            with self.engine.view() as v:
-                rec = v.get(inode)
             if fields.update_mode:
-                changes["mode"] = stat.S_IFMT(rec.mode) | stat.S_IMODE(attr.st_mode)
+                changes["mode"] = stat.S_IMODE(attr.st_mode)
             if fields.update_uid:
                 changes["uid"] = attr.st_uid
             if fields.update_gid:
@@ -249,17 +252,20 @@ class Operations(pyfuse3.Operations):
         if fields.update_ctime:
             changes["ctime_ns"] = attr.st_ctime_ns
         if changes:
-            await self.engine.mutate(lambda live: live.setattr(inode, **changes))
-        return self._attrs_of(inode)
+            rec = await self.engine.mutate(_setattr, inode, changes)
+            return self._attrs(inode, rec, live=True)
+        return await self._attrs_of(inode)
 
     async def _truncate(self, ino: int, size: int) -> None:
         cs = self.engine.chunk_size
-        with self.engine.view() as v:
+
+        def cut_chunk(v):
             rec = v.get(ino)
             if not stat.S_ISREG(rec.mode):
                 raise FsError(errno.EINVAL)
             keep = size % cs
-            tail = v.chunk_data(ino, size // cs)[:keep] if keep and size < rec.size else None
+            return v.chunk_data(ino, size // cs)[:keep] if keep and size < rec.size else None
+        tail = await self.engine.look(cut_chunk, io=True, marks=(ino,))
         digest = await trio.to_thread.run_sync(chunk_digest, tail) if tail else None
 
         def apply(live):
@@ -319,8 +325,7 @@ class Operations(pyfuse3.Operations):
     @guard
     async def readlink(self, inode, ctx):
         epoch, real = self._where(inode)
-        with self.engine.view(epoch) as v:
-            rec = v.get(real)
+        rec = await self.engine.look(lambda v: v.get(real), epoch, marks=(real,))
         if not stat.S_ISLNK(rec.mode):
             raise FsError(errno.EINVAL)
         return rec.target
@@ -382,8 +387,7 @@ class Operations(pyfuse3.Operations):
         epoch, real = self._where(inode)
         if writing:
             self._writable(inode)
-        with self.engine.view(epoch) as v:
-            rec = v.get(real)
+        rec = await self.engine.look(lambda v: v.get(real), epoch, marks=(real,))
         if not stat.S_ISREG(rec.mode):
             raise FsError(errno.EISDIR if stat.S_ISDIR(rec.mode) else errno.EINVAL)
         if epoch is not None:
@@ -404,35 +408,36 @@ class Operations(pyfuse3.Operations):
         flush committing a rewrite between the check and the read only means checking the
         new chunks too (the old or the new data, never an error)."""
         h = self.handles[fh]
-        epoch, ino = (h.epoch, h.real) if h.of is None else (None, h.of.ino)
-        while True:
-            with self.engine.view(epoch) as v:
-                if not self.engine.unverified(v, ino, off, size):
-                    if h.of is None:
-                        return v.read(h.real, off, size, h.size)
-                    return self._read_live(v, h.of, off, size)
-            await self.engine.verify(epoch, ino, off, size)
+        if h.of is not None:
+            return await self._read_live(h.of, off, size)
 
-    def _read_live(self, v, of: OpenFile, off: int, size: int) -> bytes:
+        def served(v):
+            if self.engine.unverified(v, h.real, off, size):
+                return None
+            return v.read(h.real, off, size, h.size)
+        while True:
+            data = await self.engine.look(served, h.epoch)
+            if data is not None:
+                return data
+            await self.engine.verify(h.epoch, h.real, off, size)
+
+    async def _read_live(self, of: OpenFile, off: int, size: int) -> bytes:
+        """Buffered chunks (copied here, on the trio thread) laid over the stored ones."""
         end = min(off + size, of.size)
         if off >= end:
             return b""
-        if not of.dirty:
-            return v.read(of.ino, off, end - off, of.size)
-        cs = self.engine.chunk_size
-        out = bytearray()
-        pos = off
-        while pos < end:
-            idx, within = divmod(pos, cs)
-            take = min(cs - within, end - pos)
-            data = self.engine.files.read(of, idx)
-            if data is None:
-                out += v.read(of.ino, pos, take, of.size)
-            else:
-                piece = data[within:within + take]
-                out += piece + bytes(take - len(piece))
-            pos += take
-        return bytes(out)
+        cs, ino, file_size = self.engine.chunk_size, of.ino, of.size
+        while True:
+            dirty = await self.engine.files.contents(of, off // cs, (end - 1) // cs)
+
+            def served(v):
+                if self.engine.unverified(v, ino, off, end - off):
+                    return None
+                return _assemble(v, ino, off, end, file_size, cs, dirty)
+            data = await self.engine.look(served, marks=(ino,))
+            if data is not None:
+                return data
+            await self.engine.verify(None, ino, off, end - off)
 
     @guard
     async def write(self, fh, off, buf):
@@ -470,60 +475,72 @@ class Operations(pyfuse3.Operations):
     async def opendir(self, inode, ctx):
         if inode != SNAPDIR_INO:
             epoch, real = self._where(inode)
-            with self.engine.view(epoch) as v:
-                if not stat.S_ISDIR(v.get(real).mode):
-                    raise FsError(errno.ENOTDIR)
+            rec = await self.engine.look(lambda v: v.get(real), epoch, marks=(real,))
+            if not stat.S_ISDIR(rec.mode):
+                raise FsError(errno.ENOTDIR)
         fh = self.next_fh
         self.next_fh += 1
         self.dirs[fh] = (inode, [])
         return fh
 
-    def _listing(self, inode: int) -> list[tuple[bytes, int | None, int, int]]:
+    async def _listing(self, inode: int) -> list[tuple[bytes, int | None, int, int]]:
         """(name, epoch, store inode, kernel inode) of every entry, frozen at the start of a
         readdir."""
         if inode == SNAPDIR_INO:
             return [(s.name.encode("utf-8", "surrogateescape"), s.epoch, S.ROOT_INO,
                      self._virtual(s, S.ROOT_INO)) for s in self.engine.list_snapshots()]
         epoch, real = self._where(inode)
-        with self.engine.view(epoch) as v:
-            return [(name, epoch, child, self._kernel_ino(inode, child))
-                    for name, child in v.listdir(real)]
+        names = await self.engine.look(lambda v: list(v.listdir(real)), epoch,
+                                       marks=(("ls", real),))
+        return [(name, epoch, child, self._kernel_ino(inode, child)) for name, child in names]
 
     @guard
     async def readdir(self, fh, start_id, token):
         inode, entries = self.dirs[fh]
         if start_id == 0 or not entries:
-            entries = self._listing(inode)
+            entries = await self._listing(inode)
             self.dirs[fh] = (inode, entries)
         if start_id == 0:       # '.' and '..' carry no lookup count
-            dot = self._attrs_of(inode)
+            dot = await self._attrs_of(inode)
             if not pyfuse3.readdir_reply(token, b".", dot, 1):
                 return
             start_id = 1
         if start_id == 1:
-            if not pyfuse3.readdir_reply(token, b"..", self._parent_attrs(inode), 2):
+            if not pyfuse3.readdir_reply(token, b"..", await self._parent_attrs(inode), 2):
                 return
             start_id = 2
-        for i in range(start_id - 2, len(entries)):
-            name, epoch, real, kino = entries[i]
-            with self.engine.view(epoch) as v:
-                rec = v.inode(real)
-            if rec is None:
-                continue
-            if not pyfuse3.readdir_reply(token, name, self._attrs(kino, rec, epoch is None),
-                                         i + 3):
-                break
-            self._counted(kino)
+        for first in range(start_id - 2, len(entries), READDIR_BATCH):
+            batch = entries[first:first + READDIR_BATCH]
+            for i, rec in enumerate(await self._records(batch), first):
+                if rec is None:
+                    continue
+                name, epoch, _real, kino = entries[i]
+                if not pyfuse3.readdir_reply(token, name,
+                                             self._attrs(kino, rec, epoch is None), i + 3):
+                    return
+                self._counted(kino)
 
-    def _parent_attrs(self, inode: int) -> pyfuse3.EntryAttributes:
+    async def _records(self, entries) -> list[S.Inode | None]:
+        """The inode records of listing entries, one read for each run of one epoch."""
+        out: list[S.Inode | None] = []
+        run: list[int] = []
+        for i, (_name, epoch, real, _kino) in enumerate(entries):
+            run.append(real)
+            if i + 1 == len(entries) or entries[i + 1][1] != epoch:
+                reals = run
+                out += await self.engine.look(lambda v: [v.inode(r) for r in reals], epoch,
+                                              marks=reals)
+                run = []
+        return out
+
+    async def _parent_attrs(self, inode: int) -> pyfuse3.EntryAttributes:
         """Attributes for '..': the live parent, else the directory itself (a snapshot's
         parents are not tracked; the kernel resolves '..' by its own dentries anyway)."""
         if inode < VIRT_BASE:
-            with self.engine.view() as v:
-                parents = v.parents(inode)
+            parents = await self.engine.look(lambda v: v.parents(inode), marks=(inode,))
             if parents:
-                return self._attrs_of(parents[0])
-        return self._attrs_of(inode)
+                return await self._attrs_of(parents[0])
+        return await self._attrs_of(inode)
 
     @guard
     async def releasedir(self, fh):
@@ -548,8 +565,7 @@ class Operations(pyfuse3.Operations):
         if inode == SNAPDIR_INO or (name == CAPABILITY and inode in self.no_capability):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         epoch, real = self._where(inode)
-        with self.engine.view(epoch) as v:
-            value = v.xattr(real, name)
+        value = await self.engine.look(lambda v: v.xattr(real, name), epoch, marks=(real,))
         if value is None:
             if name == CAPABILITY and epoch is None and not self.read_only:
                 if len(self.no_capability) >= CAPABILITY_MEMORY:
@@ -563,8 +579,7 @@ class Operations(pyfuse3.Operations):
         if inode == SNAPDIR_INO:
             return []
         epoch, real = self._where(inode)
-        with self.engine.view(epoch) as v:
-            return v.xattr_names(real)
+        return await self.engine.look(lambda v: v.xattr_names(real), epoch, marks=(real,))
 
     @guard
     async def removexattr(self, inode, name, ctx):
@@ -614,4 +629,28 @@ class Operations(pyfuse3.Operations):
                                        ignore_enoent=True)
 
 
+def _setattr(live, ino: int, changes: dict) -> S.Inode:
+    """A step: ``changes["mode"]``, if any, holds permission bits only (the type stays)."""
+    if "mode" in changes:
+        changes = dict(changes, mode=stat.S_IFMT(live.get(ino).mode) | changes["mode"])
+    return live.setattr(ino, **changes)
 
+
+def _assemble(v, ino: int, off: int, end: int, size: int, cs: int,
+              dirty: dict[int, bytes]) -> bytes:
+    """[off, end) of a live file: buffered chunks from ``dirty``, the rest from the store."""
+    if not dirty:
+        return v.read(ino, off, end - off, size)
+    out = bytearray()
+    pos = off
+    while pos < end:
+        idx, within = divmod(pos, cs)
+        take = min(cs - within, end - pos)
+        data = dirty.get(idx)
+        if data is None:
+            out += v.read(ino, pos, take, size)
+        else:
+            piece = data[within:within + take]
+            out += piece + bytes(take - len(piece))
+        pos += take
+    return bytes(out)

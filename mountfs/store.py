@@ -199,9 +199,25 @@ class Store:
         """A write transaction; ENOSPC / map-full become StoreFull and nothing is committed."""
         if self.readonly:
             raise StoreError("store is open read-only")
-        try:
+        with self._write_errors():
             with self.env.begin(write=True, buffers=True) as txn:
                 yield txn
+
+    def commit(self, txn: lmdb.Transaction) -> None:
+        """Commit a write transaction begun with ``env.begin`` (the mount's committer keeps
+        one open across calls), with the errors of ``write``."""
+        with self._write_errors():
+            txn.commit()
+
+    def free_bytes(self) -> int:
+        """Free space on the store's disk (not counting LMDB's free pages)."""
+        return _free_bytes(self.path)
+
+    @contextmanager
+    def _write_errors(self) -> Iterator[None]:
+        """ENOSPC and map-full as StoreFull; an I/O error says whether the disk is full."""
+        try:
+            yield
         except lmdb.MapFullError as e:
             raise StoreFull("store map is full") from e
         except lmdb.Error as e:

@@ -1,0 +1,260 @@
+"""The one thread that writes a mounted store: group commit on a short timer.
+
+Why a thread of its own: a change that waits for its synced commit before its reply costs a
+serial workload (tar, git, cp: one call after another, nothing to group) an fdatasync per
+call. Here a change is applied to a write transaction kept open across calls and answered
+at once; the transaction is committed (synced: LMDB's data pages reach the disk before the
+meta page that points at them, so a power loss never breaks the store) at most
+COMMIT_DELAY after it began, and at once when a caller needs durability (fsync, a snapshot,
+unmount). LMDB ties a write transaction to the thread that began it, hence one thread.
+
+Rules (the engine keeps them):
+* steps run in submission order, so a crash keeps a prefix of the calls that returned;
+* a change not yet committed is seen only inside the open transaction: each live step
+  reports what it wrote as *marks* (an inode's records, a directory entry, a directory's
+  listing), and the trio thread reads anything marked by an uncommitted step through
+  ``LOOK`` items (``Engine.look``), the rest from the committed tree;
+* below DEFER_MARGIN of free disk every step waits for its commit, so a full disk fails
+  the call that caused it (ENOSPC) instead of a commit after the reply. A commit that still
+  fails after replies went out loses those changes (as a crash would): the committer then
+  refuses every later step, and the mount must be remounted.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import threading
+import time
+
+import lmdb
+
+from . import schema as S
+from .namespace import FsError, Live
+from .store import Store, StoreError, StoreFull
+
+log = logging.getLogger(__name__)
+
+COMMIT_DELAY = 0.005        # s: the longest a returned change waits for its commit
+TXN_BYTES = 32 << 20        # chunk data that makes a transaction commit early
+TXN_STEPS = 5000            # steps that make a transaction commit early
+DEFER_MARGIN = 256 << 20    # less free disk than this: every step waits for its commit
+
+LIVE, TXN, COMMIT, SYNC, LOOK = "live", "txn", "commit", "sync", "look"
+
+
+class Step:
+    """One item for the committer and, once ``done`` is called, its result or error.
+
+    LIVE: ``fn(live, *args)`` in the open transaction (a nested one, so a step that raises
+    leaves no trace); TXN: ``fn(txn, *args)`` in a transaction of its own (snapshots, GC,
+    rollback: cursors over the tables they change), committed before the reply; COMMIT and
+    SYNC: commit what is open (SYNC also syncs LMDB's meta page); LOOK: ``fn(txn)`` reading
+    the open transaction, or a read transaction when nothing is open."""
+    __slots__ = ("kind", "fn", "args", "nbytes", "result", "error", "replied", "done",
+                 "marks", "txn_no")
+
+    def __init__(self, kind: str, fn=None, args=(), nbytes: int = 0, done=None):
+        self.kind, self.fn, self.args, self.nbytes = kind, fn, args, nbytes
+        self.result = None
+        self.error: BaseException | None = None
+        self.replied = False
+        self.done = done            # called in the committer thread: must be thread-safe
+        self.marks: set = set()     # what a live step wrote (see marks_of)
+        self.txn_no = 0             # the transaction a live step ran in
+
+
+INO_TABLES = ("inodes", "chunks", "xattrs", "parents", "orphans")   # keys begin with an inode
+
+
+def marks_of(table: str, key: bytes):
+    """What a write of ``key`` in ``table`` changes for a reader: an inode number (its
+    record, chunks, xattrs, names, orphan mark), a (directory, name) entry and the
+    directory's listing ("ls", directory). Tables no live read consults give none."""
+    if table in INO_TABLES:
+        yield S.from_u64(key[:8])
+    elif table == "dirents":
+        parent = S.from_u64(key[:8])
+        yield parent, bytes(key[8:-9])     # dirent_key(parent, name) + the epoch suffix
+        yield "ls", parent
+
+
+class _Recorder:
+    """A write transaction that remembers which (table, key) a step wrote."""
+    __slots__ = ("txn", "writes")
+
+    def __init__(self, txn):
+        self.txn, self.writes = txn, []
+
+    def get(self, key, default=None, db=None):
+        return self.txn.get(key, default, db)
+
+    def cursor(self, db=None):
+        return self.txn.cursor(db)
+
+    def put(self, key, value, dupdata=True, overwrite=True, append=False, db=None):
+        self.writes.append((db, key))
+        return self.txn.put(key, value, dupdata, overwrite, append, db)
+
+    def delete(self, key, value=b"", db=None):
+        self.writes.append((db, key))
+        return self.txn.delete(key, value, db)
+
+    def __getattr__(self, name):
+        return getattr(self.txn, name)
+
+
+class Committer:
+    def __init__(self, store: Store, live_epoch, committed):
+        """``live_epoch()``: the epoch live steps write (read in this thread, changed only by
+        TXN steps, which also run here). ``committed(n, txn_no)``: called (in this thread)
+        after each commit with the number of live steps in it and the transaction's
+        number."""
+        self.store = store
+        self._tables = {handle: name for name, handle in store.db.items()}
+        self._txn_no = 0
+        self._live_epoch = live_epoch
+        self._committed = committed
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._txn: lmdb.Transaction | None = None
+        self._steps: list[Step] = []
+        self._bytes = 0
+        self._deadline = 0.0
+        self._defer = True
+        self.failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mountfs-committer",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, step: Step) -> None:
+        self._queue.put(step)
+
+    def stop(self) -> None:
+        """Commit what is open and end the thread (idempotent)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    # ---- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            timeout = None if self._txn is None else max(0.0, self._deadline - time.monotonic())
+            try:
+                step = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                self._commit()
+                continue
+            if step is None:
+                self._commit()
+                return
+            try:
+                self._serve(step)
+            except BaseException as e:        # a bug here must not hang the callers
+                log.exception("the committer failed serving a %s step", step.kind)
+                step.error = step.error or e
+                self._reply(step)
+
+    def _serve(self, step: Step) -> None:
+        if step.kind == LOOK:
+            self._look(step)
+        elif self.failed is not None:
+            step.error = FsError(errno.EIO, f"an earlier commit failed ({self.failed}); "
+                                            f"remount the filesystem")
+            self._reply(step)
+            if step.kind == LIVE:
+                self._committed(1, 0)   # counted as pending by the engine: never will be
+        elif step.kind == LIVE:
+            self._live(step)
+        else:
+            self._commit()
+            if step.kind == TXN:
+                self._own_transaction(step)
+            elif step.kind == SYNC and self.failed is None:
+                self.store.sync()
+            self._reply(step)
+
+    def _look(self, step: Step) -> None:
+        try:
+            if self._txn is not None:
+                step.result = step.fn(self._txn)
+            else:
+                with self.store.read() as txn:
+                    step.result = step.fn(txn)
+        except Exception as e:
+            step.error = e
+        self._reply(step)
+
+    def _live(self, step: Step) -> None:
+        if self._txn is None:
+            self._begin()
+        self._run_nested(step)
+        self._steps.append(step)
+        self._bytes += step.nbytes
+        if self._defer or step.error is not None:
+            self._reply(step)
+        if not self._defer or self._bytes >= TXN_BYTES or len(self._steps) >= TXN_STEPS \
+                or time.monotonic() >= self._deadline:
+            self._commit()
+
+    def _begin(self) -> None:
+        self._txn_no += 1
+        self._defer = self.store.free_bytes() >= DEFER_MARGIN
+        self._txn = self.store.env.begin(write=True, buffers=True)
+        self._deadline = time.monotonic() + COMMIT_DELAY
+
+    def _run_nested(self, step: Step) -> None:
+        step.txn_no = self._txn_no
+        try:
+            with self.store.env.begin(write=True, parent=self._txn, buffers=True) as child:
+                recorder = _Recorder(child)
+                step.result = step.fn(Live(recorder, self.store.db, self._live_epoch(),
+                                           self.store.chunk_size), *step.args)
+            step.marks = {mark for db, key in recorder.writes
+                          for mark in marks_of(self._tables[db], key)}
+        except lmdb.MapFullError as e:
+            step.error = FsError(errno.ENOSPC, f"store map is full: {e}")
+        except Exception as e:
+            step.error = e
+
+    def _own_transaction(self, step: Step) -> None:
+        try:
+            with self.store.write() as txn:
+                step.result = step.fn(txn, *step.args)
+        except StoreFull as e:
+            step.error = FsError(errno.ENOSPC, str(e))
+        except Exception as e:
+            step.error = e
+
+    def _commit(self) -> None:
+        """Commit the open transaction; reply to the steps still waiting for it."""
+        if self._txn is None:
+            return
+        txn, steps, txn_no = self._txn, self._steps, self._txn_no
+        self._txn, self._steps, self._bytes = None, [], 0
+        try:
+            self.store.commit(txn)
+        except BaseException as e:
+            error = FsError(errno.ENOSPC, str(e)) if isinstance(e, StoreFull) else e
+            lost = [s for s in steps if s.replied and s.error is None]
+            if lost:
+                self.failed = error
+                log.critical("commit failed after %d changes were answered; they are lost "
+                             "(as in a crash) and the filesystem refuses changes until "
+                             "it is remounted: %s", len(lost), error)
+            for s in steps:
+                if not s.replied:
+                    s.error = s.error or (error if isinstance(error, (FsError, StoreError))
+                                          else FsError(errno.EIO, str(error)))
+        for s in steps:
+            if not s.replied:
+                self._reply(s)
+        self._committed(len(steps), txn_no)
+
+    @staticmethod
+    def _reply(step: Step) -> None:
+        step.replied = True
+        step.done(step)
