@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -36,7 +37,10 @@ from .store import Store, StoreError, StoreFull
 
 log = logging.getLogger(__name__)
 
-COMMIT_DELAY = 0.005        # s: the longest a returned change waits for its commit
+# s: the longest a returned change waits for its commit (tests set an hour: then only
+# fsync, snapshots and unmount commit, and every read of an answered change must find it
+# through its marks)
+COMMIT_DELAY = float(os.environ.get("MOUNTFS_COMMIT_DELAY", "0.005"))
 TXN_BYTES = 32 << 20        # chunk data that makes a transaction commit early
 TXN_STEPS = 5000            # steps that make a transaction commit early
 DEFER_MARGIN = 256 << 20    # less free disk than this: every step waits for its commit
@@ -53,7 +57,7 @@ class Step:
     SYNC: commit what is open (SYNC also syncs LMDB's meta page); LOOK: ``fn(txn)`` reading
     the open transaction, or a read transaction when nothing is open."""
     __slots__ = ("kind", "fn", "args", "nbytes", "result", "error", "replied", "done",
-                 "marks", "txn_no")
+                 "marks", "inodes", "txn_no")
 
     def __init__(self, kind: str, fn=None, args=(), nbytes: int = 0, done=None):
         self.kind, self.fn, self.args, self.nbytes = kind, fn, args, nbytes
@@ -62,6 +66,7 @@ class Step:
         self.replied = False
         self.done = done            # called in the committer thread: must be thread-safe
         self.marks: set = set()     # what a live step wrote (see marks_of)
+        self.inodes: dict = {}      # inode -> the record it wrote last (packed; None: gone)
         self.txn_no = 0             # the transaction a live step ran in
 
 
@@ -81,7 +86,8 @@ def marks_of(table: str, key: bytes):
 
 
 class _Recorder:
-    """A write transaction that remembers which (table, key) a step wrote."""
+    """A write transaction that remembers which (table, key, value) a step wrote (value
+    None: deleted)."""
     __slots__ = ("txn", "writes")
 
     def __init__(self, txn):
@@ -94,11 +100,11 @@ class _Recorder:
         return self.txn.cursor(db)
 
     def put(self, key, value, dupdata=True, overwrite=True, append=False, db=None):
-        self.writes.append((db, key))
+        self.writes.append((db, key, value))
         return self.txn.put(key, value, dupdata, overwrite, append, db)
 
     def delete(self, key, value=b"", db=None):
-        self.writes.append((db, key))
+        self.writes.append((db, key, None))
         return self.txn.delete(key, value, db)
 
     def __getattr__(self, name):
@@ -157,6 +163,8 @@ class Committer:
                 log.exception("the committer failed serving a %s step", step.kind)
                 step.error = step.error or e
                 self._reply(step)
+                if step.kind == LIVE and step not in self._steps:
+                    self._committed(1, 0)       # counted as pending: never will be
 
     def _serve(self, step: Step) -> None:
         if step.kind == LOOK:
@@ -213,12 +221,18 @@ class Committer:
                 recorder = _Recorder(child)
                 step.result = step.fn(Live(recorder, self.store.db, self._live_epoch(),
                                            self.store.chunk_size), *step.args)
-            step.marks = {mark for db, key in recorder.writes
-                          for mark in marks_of(self._tables[db], key)}
+            self._note_writes(step, recorder.writes)
         except lmdb.MapFullError as e:
             step.error = FsError(errno.ENOSPC, f"store map is full: {e}")
         except Exception as e:
             step.error = e
+
+    def _note_writes(self, step: Step, writes) -> None:
+        inodes = self.store.db["inodes"]
+        for db, key, value in writes:
+            step.marks.update(marks_of(self._tables[db], key))
+            if db is inodes:        # a version key: the record as of the live epoch
+                step.inodes[S.from_u64(key[:8])] = bytes(value) if value else None
 
     def _own_transaction(self, step: Step) -> None:
         try:

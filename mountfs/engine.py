@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import logging
 from collections import OrderedDict
-from contextlib import contextmanager
 
 import blake3
 import trio
@@ -41,6 +40,7 @@ class Engine:
         self._uncommitted = 0                       # live steps sent, not yet committed
         self._dirty: dict = {}                      # mark -> transaction that changed it last
         self._dirty_in: dict[int, list] = {}        # transaction -> marks of its steps
+        self._records: dict[int, bytes] = {}        # dirty inode -> its record as written
         self._committer = Committer(store, lambda: self.live, self._on_commit)
         self._token: trio.lowlevel.TrioToken | None = None
         self.files = FileCache(self)
@@ -98,16 +98,6 @@ class Engine:
         """Commit what is open and stop the committer (idempotent; outside trio too)."""
         self._committer.stop()
 
-    @contextmanager
-    def view(self, epoch: int | None = None):
-        """The tree at ``epoch`` (None: live) in a read transaction of the calling thread.
-        The live tree only while nothing is pending (else it would miss answered changes):
-        the trio thread uses ``look``."""
-        if epoch is None and self._uncommitted:
-            raise RuntimeError("live view while changes are uncommitted: use Engine.look")
-        with self.store.read() as txn:
-            yield self._view(txn, epoch)
-
     def _view(self, txn, epoch: int | None) -> View:
         if epoch is None:
             # a read-only mount follows a store another process writes (a mirror)
@@ -123,6 +113,15 @@ class Engine:
     def dirty(self, mark) -> bool:
         """Whether an answered, uncommitted change wrote ``mark`` (committer.marks_of)."""
         return mark in self._dirty
+
+    async def inode(self, ino: int) -> S.Inode:
+        """The live record of ``ino`` (ENOENT if none): the one an uncommitted step wrote
+        last, if it did, without going through the committer."""
+        if self._uncommitted and ino in self._dirty:
+            raw = self._records.get(ino)
+            if raw is not None:
+                return S.Inode.unpack(raw)
+        return await self.look(lambda v: v.get(ino), marks=(ino,))
 
     async def look(self, fn, epoch: int | None = None, io: bool = False, marks=None):
         """``fn(view)`` of the tree at ``epoch`` (None: live), as the calls answered so far
@@ -171,7 +170,7 @@ class Engine:
     async def _submit(self, step: Step):
         finished = trio.Event()
         token = self._token
-        step.done = lambda _step: token.run_sync_soon(self._replied, step, finished)
+        step.done = lambda _step: _post(token, self._replied, step, finished)
         self._committer.put(step)
         await finished.wait()
         if step.error is not None:
@@ -184,13 +183,16 @@ class Engine:
         if step.marks:
             for mark in step.marks:
                 self._dirty[mark] = step.txn_no
+                self._records.pop(mark, None)
             self._dirty_in.setdefault(step.txn_no, []).extend(step.marks)
+            self._records.update((ino, raw) for ino, raw in step.inodes.items()
+                                 if raw is not None)
         finished.set()
 
     def _on_commit(self, steps: int, txn_no: int) -> None:
         """In the committer's thread after each commit (or a refused live step)."""
         if steps:
-            self._token.run_sync_soon(self._committed, steps, txn_no)
+            _post(self._token, self._committed, steps, txn_no)
 
     def _committed(self, steps: int, txn_no: int) -> None:
         self._uncommitted -= steps
@@ -198,6 +200,7 @@ class Engine:
         for mark in self._dirty_in.pop(txn_no, ()):
             if self._dirty.get(mark) == txn_no:
                 del self._dirty[mark]
+                self._records.pop(mark, None)
 
     async def remove_orphans(self) -> int:
         """Delete inodes left unlinked-but-open by a process that died."""
@@ -313,3 +316,12 @@ class Engine:
                     break
                 await trio.sleep(0)
         await self.mutate_in_thread(gc.finish_reclaim, self.db, token)
+
+
+def _post(token: trio.lowlevel.TrioToken, fn, *args) -> None:
+    """Run ``fn`` on the trio thread; once trio has ended (the committer's last commit at
+    close, after an error) there is nobody left to tell."""
+    try:
+        token.run_sync_soon(fn, *args)
+    except trio.RunFinishedError:
+        pass

@@ -154,7 +154,7 @@ class Operations(pyfuse3.Operations):
         return e
 
     async def _snapdir_attrs(self) -> pyfuse3.EntryAttributes:
-        root = await self.engine.look(lambda v: v.get(S.ROOT_INO), marks=(S.ROOT_INO,))
+        root = await self.engine.inode(S.ROOT_INO)
         rec = root.evolve(mode=stat.S_IFDIR | 0o555, nlink=2)
         attrs = self._attrs(SNAPDIR_INO, rec, live=False)
         attrs.entry_timeout = attrs.attr_timeout = 1.0
@@ -164,8 +164,13 @@ class Operations(pyfuse3.Operations):
         if kino == SNAPDIR_INO:
             return await self._snapdir_attrs()
         epoch, real = self._where(kino)
-        rec = await self.engine.look(lambda v: v.get(real), epoch, marks=(real,))
-        return self._attrs(kino, rec, live=epoch is None)
+        return self._attrs(kino, await self._record(epoch, real), live=epoch is None)
+
+    async def _record(self, epoch: int | None, real: int) -> S.Inode:
+        """Store inode ``real`` as of ``epoch`` (None: live)."""
+        if epoch is None:
+            return await self.engine.inode(real)
+        return await self.engine.look(lambda v: v.get(real), epoch)
 
     # ---- lookup and forget ---------------------------------------------------------------
 
@@ -194,7 +199,7 @@ class Operations(pyfuse3.Operations):
         if child is None:
             raise FsError(errno.ENOENT)
         if epoch is None and self.engine.dirty(child):     # read above as last committed
-            rec = await self.engine.look(lambda v: v.get(child), marks=(child,))
+            rec = await self.engine.inode(child)
         kino = self._kernel_ino(parent_inode, child)
         attrs = self._attrs(kino, rec, live=epoch is None)
         self._counted(kino)
@@ -295,6 +300,7 @@ class Operations(pyfuse3.Operations):
         ino, rec = await self.engine.mutate(
             lambda live: live.create(parent, name, mode, ctx.uid, ctx.gid, rdev, target))
         self._counted(ino)
+        self._remember_no_capability(ino)      # new: no xattrs at all
         return self._attrs(ino, rec, live=True)
 
     @guard
@@ -325,7 +331,7 @@ class Operations(pyfuse3.Operations):
     @guard
     async def readlink(self, inode, ctx):
         epoch, real = self._where(inode)
-        rec = await self.engine.look(lambda v: v.get(real), epoch, marks=(real,))
+        rec = await self._record(epoch, real)
         if not stat.S_ISLNK(rec.mode):
             raise FsError(errno.EINVAL)
         return rec.target
@@ -387,7 +393,7 @@ class Operations(pyfuse3.Operations):
         epoch, real = self._where(inode)
         if writing:
             self._writable(inode)
-        rec = await self.engine.look(lambda v: v.get(real), epoch, marks=(real,))
+        rec = await self._record(epoch, real)
         if not stat.S_ISREG(rec.mode):
             raise FsError(errno.EISDIR if stat.S_ISDIR(rec.mode) else errno.EINVAL)
         if epoch is not None:
@@ -475,7 +481,7 @@ class Operations(pyfuse3.Operations):
     async def opendir(self, inode, ctx):
         if inode != SNAPDIR_INO:
             epoch, real = self._where(inode)
-            rec = await self.engine.look(lambda v: v.get(real), epoch, marks=(real,))
+            rec = await self._record(epoch, real)
             if not stat.S_ISDIR(rec.mode):
                 raise FsError(errno.ENOTDIR)
         fh = self.next_fh
@@ -568,11 +574,14 @@ class Operations(pyfuse3.Operations):
         value = await self.engine.look(lambda v: v.xattr(real, name), epoch, marks=(real,))
         if value is None:
             if name == CAPABILITY and epoch is None and not self.read_only:
-                if len(self.no_capability) >= CAPABILITY_MEMORY:
-                    self.no_capability.clear()
-                self.no_capability.add(inode)
+                self._remember_no_capability(inode)
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value
+
+    def _remember_no_capability(self, ino: int) -> None:
+        if len(self.no_capability) >= CAPABILITY_MEMORY:
+            self.no_capability.clear()
+        self.no_capability.add(ino)
 
     @guard
     async def listxattr(self, inode, ctx):

@@ -33,6 +33,7 @@ from collections import Counter
 from pathlib import Path
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, precondition,
                                  rule, run_state_machine_as_test)
@@ -538,7 +539,13 @@ def capture_names(root: Path) -> list[str]:
     return out
 
 
-def test_random_operations_match_a_plain_directory(make_mount, tmp_path):
+@pytest.mark.parametrize("commit_delay", ["0.005", "3600"])
+def test_random_operations_match_a_plain_directory(make_mount, tmp_path, monkeypatch,
+                                                   commit_delay):
+    """With the default commit delay, and with one of an hour: then nothing commits but
+    fsync, snapshots and remounts, so every read of an answered change must find it in the
+    committer's open transaction (a change's marks missing an item would read stale)."""
+    monkeypatch.setenv("MOUNTFS_COMMIT_DELAY", commit_delay)
     mount = make_mount(chunk_size="4K")
     plain = tmp_path / "plain"
     plain.mkdir()
