@@ -30,6 +30,8 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 SYNC_INTERVAL = 1.0
+GC_GATHER = 1.0     # s: the collector waits this long after a wake-up, so that the deletes
+                    # of a second share its batches (each batch is a commit of its own)
 
 
 class Engine:
@@ -295,6 +297,7 @@ class Engine:
             if not busy:
                 await self._gc_wakeup.wait()
                 self._gc_wakeup = trio.Event()
+                await trio.sleep(GC_GATHER)
                 continue
             try:
                 await self._collect(token)

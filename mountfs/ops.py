@@ -87,6 +87,9 @@ class Operations(pyfuse3.Operations):
         # on any xattr change of the inode and on a rollback or restore; a read-only mount
         # follows another writer, so it keeps no such memory.
         self.no_capability: set[int] = set()
+        # Live inodes deleted while the kernel still held them (unlinked, no handle open):
+        # their forget needs no look at the store.
+        self.deleted: set[int] = set()
 
     # ---- inode numbers -------------------------------------------------------------------
 
@@ -206,27 +209,36 @@ class Operations(pyfuse3.Operations):
         return attrs
 
     async def forget(self, inode_list):
+        gone = []
         for ino, n in inode_list:
             left = self.lookups.get(ino, 0) - n
             if left > 0:
                 self.lookups[ino] = left
                 continue
             self.lookups.pop(ino, None)
-            if ino < VIRT_BASE:
-                await self._reap(ino)
+            if ino in self.deleted:
+                self.deleted.discard(ino)
+            elif ino < VIRT_BASE:
+                gone.append(ino)
+        await self._reap(gone)
 
-    async def _reap(self, ino: int) -> None:
-        """Delete an unlinked inode once neither a name nor the kernel refers to it."""
-        if self._is_open(ino) or self.read_only:
+    async def _reap(self, inos: list[int]) -> None:
+        """Delete the unlinked ones of ``inos`` once neither a name nor the kernel refers to
+        them, in one step. Inodes an uncommitted step changed (just unlinked, mostly) go to
+        the step as they are; the others only if the committed tree marks them orphans."""
+        inos = [ino for ino in inos if not self._is_open(ino)]
+        if not inos or self.read_only:
             return
+        orphans = self.engine.db["orphans"]
         try:
-            orphans = self.engine.db["orphans"]
-            if await self.engine.look(lambda v: v.txn.get(S.u64(ino), db=orphans) is not None,
-                                      marks=(ino,)):
-                await self.engine.mutate(lambda live: live.destroy(ino))
+            if not any(self.engine.dirty(ino) for ino in inos):
+                inos = await self.engine.look(lambda v: [
+                    ino for ino in inos if v.txn.get(S.u64(ino), db=orphans) is not None],
+                    marks=inos)
+            if inos and await self.engine.mutate(_destroy_orphans, inos):
                 self.engine.wake_gc()
         except Exception:
-            log.exception("could not delete unlinked inode %d; the next mount will", ino)
+            log.exception("could not delete unlinked inodes %s; the next mount will", inos)
 
     @guard
     async def getattr(self, inode, ctx=None):
@@ -338,26 +350,40 @@ class Operations(pyfuse3.Operations):
 
     # ---- removing names ------------------------------------------------------------------
 
-    def _unlinked(self, live, freed) -> None:
-        """Inodes whose last link went away: delete now, or when the kernel forgets them."""
+    def _unlinked(self, live, freed) -> list[int]:
+        """Inodes whose last link went away: delete now, or when the kernel forgets them.
+        A file or symlink no handle has open is deleted now even if the kernel still holds
+        it (nothing can reach it by name, and every open goes through a handle); a directory
+        waits for the kernel (a process's cwd). Returns the inodes deleted now."""
+        gone = []
         for ino, rec in freed:
             if rec.nlink > 0:
                 continue
-            if self._is_open(ino):
+            in_use = ino in self.engine.files.files or (
+                stat.S_ISDIR(rec.mode) and ino in self.lookups)
+            if in_use:
                 live.add_orphan(ino)
             else:
                 live.destroy(ino)
+                gone.append(ino)
+        return gone
+
+    async def _removed(self, fn) -> None:
+        """Run a step that unlinks (``fn(live)`` -> freed inodes); remember the inodes it
+        deleted at once, so that their forget asks nothing more."""
+        gone = await self.engine.mutate(lambda live: self._unlinked(live, fn(live)))
+        self.deleted.update(ino for ino in gone if ino in self.lookups)
+        self.engine.wake_gc()
 
     @guard
     async def unlink(self, parent_inode, name, ctx):
         self._writable(parent_inode)
-        await self.engine.mutate(lambda live: self._unlinked(live, [live.unlink(parent_inode, name)]))
-        self.engine.wake_gc()
+        await self._removed(lambda live: [live.unlink(parent_inode, name)])
 
     @guard
     async def rmdir(self, parent_inode, name, ctx):
         self._writable(parent_inode)
-        await self.engine.mutate(lambda live: self._unlinked(live, [live.rmdir(parent_inode, name)]))
+        await self._removed(lambda live: [live.rmdir(parent_inode, name)])
 
     @guard
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
@@ -370,9 +396,8 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.EPERM)
         noreplace = bool(flags & pyfuse3.RENAME_NOREPLACE)
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
-        await self.engine.mutate(lambda live: self._unlinked(live, live.rename(
-            parent_inode_old, name_old, parent_inode_new, name_new, noreplace, exchange)))
-        self.engine.wake_gc()
+        await self._removed(lambda live: live.rename(
+            parent_inode_old, name_old, parent_inode_new, name_new, noreplace, exchange))
 
     # ---- files ---------------------------------------------------------------------------
 
@@ -466,7 +491,7 @@ class Operations(pyfuse3.Operations):
                 await self.engine.files.release(h.of)
             finally:
                 if h.ino not in self.lookups:
-                    await self._reap(h.ino)
+                    await self._reap([h.ino])
 
     @guard
     async def fsync(self, fh, datasync):
@@ -636,6 +661,15 @@ class Operations(pyfuse3.Operations):
     def forget_snapshot(self, name: str) -> None:
         pyfuse3.invalidate_entry_async(SNAPDIR_INO, name.encode("utf-8", "surrogateescape"),
                                        ignore_enoent=True)
+
+
+def _destroy_orphans(live, inos: list[int]) -> int:
+    """A step: delete those of ``inos`` still marked orphans; how many."""
+    orphans = [ino for ino in inos
+               if live.txn.get(S.u64(ino), db=live.db["orphans"]) is not None]
+    for ino in orphans:
+        live.destroy(ino)
+    return len(orphans)
 
 
 def _setattr(live, ino: int, changes: dict) -> S.Inode:
