@@ -263,6 +263,7 @@ class Committer:
                 if not s.replied:
                     s.error = s.error or (error if isinstance(error, (FsError, StoreError))
                                           else FsError(errno.EIO, str(error)))
+                    s.marks, s.inodes = set(), {}       # nothing of it was committed
         for s in steps:
             if not s.replied:
                 self._reply(s)

@@ -87,9 +87,6 @@ class Operations(pyfuse3.Operations):
         # on any xattr change of the inode and on a rollback or restore; a read-only mount
         # follows another writer, so it keeps no such memory.
         self.no_capability: set[int] = set()
-        # Live inodes deleted while the kernel still held them (unlinked, no handle open):
-        # their forget needs no look at the store.
-        self.deleted: set[int] = set()
 
     # ---- inode numbers -------------------------------------------------------------------
 
@@ -216,9 +213,7 @@ class Operations(pyfuse3.Operations):
                 self.lookups[ino] = left
                 continue
             self.lookups.pop(ino, None)
-            if ino in self.deleted:
-                self.deleted.discard(ino)
-            elif ino < VIRT_BASE:
+            if ino < VIRT_BASE:
                 gone.append(ino)
         await self._reap(gone)
 
@@ -350,29 +345,21 @@ class Operations(pyfuse3.Operations):
 
     # ---- removing names ------------------------------------------------------------------
 
-    def _unlinked(self, live, freed) -> list[int]:
-        """Inodes whose last link went away: delete now, or when the kernel forgets them.
-        A file or symlink no handle has open is deleted now even if the kernel still holds
-        it (nothing can reach it by name, and every open goes through a handle); a directory
-        waits for the kernel (a process's cwd). Returns the inodes deleted now."""
-        gone = []
+    def _unlinked(self, live, freed) -> None:
+        """Inodes whose last link went away: delete now, or when the kernel forgets them
+        (while it holds one, an O_PATH descriptor or an open racing the unlink can still
+        reach it)."""
         for ino, rec in freed:
             if rec.nlink > 0:
                 continue
-            in_use = ino in self.engine.files.files or (
-                stat.S_ISDIR(rec.mode) and ino in self.lookups)
-            if in_use:
+            if self._is_open(ino):
                 live.add_orphan(ino)
             else:
                 live.destroy(ino)
-                gone.append(ino)
-        return gone
 
     async def _removed(self, fn) -> None:
-        """Run a step that unlinks (``fn(live)`` -> freed inodes); remember the inodes it
-        deleted at once, so that their forget asks nothing more."""
-        gone = await self.engine.mutate(lambda live: self._unlinked(live, fn(live)))
-        self.deleted.update(ino for ino in gone if ino in self.lookups)
+        """Run a step that unlinks (``fn(live)`` -> freed inodes)."""
+        await self.engine.mutate(lambda live: self._unlinked(live, fn(live)))
         self.engine.wake_gc()
 
     @guard
