@@ -17,7 +17,10 @@ Rules (the engine keeps them):
 * below DEFER_MARGIN of free disk every step waits for its commit, so a full disk fails
   the call that caused it (ENOSPC) instead of a commit after the reply. A commit that still
   fails after replies went out loses those changes (as a crash would): the committer then
-  refuses every later step, and the mount must be remounted.
+  refuses every later step, and the mount must be remounted;
+* a *posted* step (Engine.post) is answered before it runs, by a caller that knows its
+  outcome; if it fails all the same, that too is an answered change lost: the committer
+  refuses every later step.
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ class Step:
     rollback: cursors over the tables they change), committed before the reply; COMMIT and
     SYNC: commit what is open (SYNC also syncs LMDB's meta page); LOOK: ``fn(txn)`` reading
     the open transaction, or a read transaction when nothing is open."""
-    __slots__ = ("kind", "fn", "args", "nbytes", "result", "error", "replied", "done",
-                 "marks", "inodes", "txn_no")
+    __slots__ = ("kind", "fn", "args", "nbytes", "posted", "result", "error", "replied",
+                 "done", "marks", "inodes", "txn_no")
 
-    def __init__(self, kind: str, fn=None, args=(), nbytes: int = 0, done=None):
+    def __init__(self, kind: str, fn=None, args=(), nbytes: int = 0, posted=None,
+                 done=None):
         self.kind, self.fn, self.args, self.nbytes = kind, fn, args, nbytes
+        self.posted = posted        # a live step nobody waits for (Engine.post): its marks
         self.result = None
         self.error: BaseException | None = None
         self.replied = False
@@ -112,16 +117,19 @@ class _Recorder:
 
 
 class Committer:
-    def __init__(self, store: Store, live_epoch, committed):
+    def __init__(self, store: Store, live_epoch, committed, ran):
         """``live_epoch()``: the epoch live steps write (read in this thread, changed only by
         TXN steps, which also run here). ``committed(n, txn_no)``: called (in this thread)
         after each commit with the number of live steps in it and the transaction's
-        number."""
+        number. ``ran(steps)``: posted steps that have run, told in batches (nobody waits
+        for them) but always before any later reply or commit is."""
         self.store = store
         self._tables = {handle: name for name, handle in store.db.items()}
         self._txn_no = 0
         self._live_epoch = live_epoch
         self._committed = committed
+        self._on_ran = ran
+        self._ran: list[Step] = []
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._txn: lmdb.Transaction | None = None
         self._steps: list[Step] = []
@@ -138,6 +146,12 @@ class Committer:
     def put(self, step: Step) -> None:
         self._queue.put(step)
 
+    def answers_early(self) -> bool:
+        """Whether live steps are answered before their commit: enough free disk when the
+        open (or last) transaction began, and no commit has failed. Read from the trio
+        thread: a stale answer only matters within a transaction of the margin's edge."""
+        return self._defer and self.failed is None
+
     def stop(self) -> None:
         """Commit what is open and end the thread (idempotent)."""
         if self._thread.is_alive():
@@ -148,6 +162,8 @@ class Committer:
 
     def _run(self) -> None:
         while True:
+            if self._ran and self._queue.empty():
+                self._tell_ran()
             timeout = None if self._txn is None else max(0.0, self._deadline - time.monotonic())
             try:
                 step = self._queue.get(timeout=timeout)
@@ -156,6 +172,7 @@ class Committer:
                 continue
             if step is None:
                 self._commit()
+                self._tell_ran()
                 return
             try:
                 self._serve(step)
@@ -164,6 +181,7 @@ class Committer:
                 step.error = step.error or e
                 self._reply(step)
                 if step.kind == LIVE and step not in self._steps:
+                    self._tell_ran()
                     self._committed(1, 0)       # counted as pending: never will be
 
     def _serve(self, step: Step) -> None:
@@ -174,6 +192,7 @@ class Committer:
                                             f"remount the filesystem")
             self._reply(step)
             if step.kind == LIVE:
+                self._tell_ran()
                 self._committed(1, 0)   # counted as pending by the engine: never will be
         elif step.kind == LIVE:
             self._live(step)
@@ -200,6 +219,8 @@ class Committer:
         if self._txn is None:
             self._begin()
         self._run_nested(step)
+        if step.posted is not None and step.error is not None:
+            self._lose(1, step.error)
         self._steps.append(step)
         self._bytes += step.nbytes
         if self._defer or step.error is not None:
@@ -253,12 +274,10 @@ class Committer:
             self.store.commit(txn)
         except BaseException as e:
             error = FsError(errno.ENOSPC, str(e)) if isinstance(e, StoreFull) else e
-            lost = [s for s in steps if s.replied and s.error is None]
+            lost = [s for s in steps
+                    if (s.replied or s.posted is not None) and s.error is None]
             if lost:
-                self.failed = error
-                log.critical("commit failed after %d changes were answered; they are lost "
-                             "(as in a crash) and the filesystem refuses changes until "
-                             "it is remounted: %s", len(lost), error)
+                self._lose(len(lost), error)
             for s in steps:
                 if not s.replied:
                     s.error = s.error or (error if isinstance(error, (FsError, StoreError))
@@ -267,9 +286,25 @@ class Committer:
         for s in steps:
             if not s.replied:
                 self._reply(s)
+        self._tell_ran()
         self._committed(len(steps), txn_no)
 
-    @staticmethod
-    def _reply(step: Step) -> None:
+    def _lose(self, answered: int, error: BaseException) -> None:
+        """Changes already answered could not be made: from now on refuse every change."""
+        if self.failed is None:
+            self.failed = error
+        log.critical("%d changes already answered are lost (as in a crash): %s; the "
+                     "filesystem refuses changes until it is remounted", answered, error)
+
+    def _reply(self, step: Step) -> None:
         step.replied = True
+        if step.posted is not None:
+            self._ran.append(step)
+            return
+        self._tell_ran()
         step.done(step)
+
+    def _tell_ran(self) -> None:
+        if self._ran:
+            ran, self._ran = self._ran, []
+            self._on_ran(ran)

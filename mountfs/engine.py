@@ -43,7 +43,10 @@ class Engine:
         self._dirty: dict = {}                      # mark -> transaction that changed it last
         self._dirty_in: dict[int, list] = {}        # transaction -> marks of its steps
         self._records: dict[int, bytes] = {}        # dirty inode -> its record as written
-        self._committer = Committer(store, lambda: self.live, self._on_commit)
+        self._posted: dict = {}                     # mark -> posted steps not yet run
+        self._inflight = 0                          # awaited changes sent, not answered
+        self._committer = Committer(store, lambda: self.live, self._on_commit,
+                                    self._on_ran)
         self._token: trio.lowlevel.TrioToken | None = None
         self.files = FileCache(self)
         with store.read() as txn:
@@ -114,16 +117,24 @@ class Engine:
 
     def dirty(self, mark) -> bool:
         """Whether an answered, uncommitted change wrote ``mark`` (committer.marks_of)."""
-        return mark in self._dirty
+        return mark in self._dirty or mark in self._posted
 
     async def inode(self, ino: int) -> S.Inode:
         """The live record of ``ino`` (ENOENT if none): the one an uncommitted step wrote
         last, if it did, without going through the committer."""
-        if self._uncommitted and ino in self._dirty:
-            raw = self._records.get(ino)
-            if raw is not None:
-                return S.Inode.unpack(raw)
+        rec = self.known_inode(ino)
+        if rec is not None:
+            return rec
         return await self.look(lambda v: v.get(ino), marks=(ino,))
+
+    def known_inode(self, ino: int) -> S.Inode | None:
+        """The live record of ``ino`` if it is known without asking the committer: the
+        committed one, or the one the last uncommitted change wrote (or, posted, will
+        write); None if only the committer knows it."""
+        if self._uncommitted and self.dirty(ino):
+            raw = self._records.get(ino)
+            return None if raw is None else S.Inode.unpack(raw)
+        return self._look_now(lambda v: v.get(ino), None)
 
     async def look(self, fn, epoch: int | None = None, io: bool = False, marks=None):
         """``fn(view)`` of the tree at ``epoch`` (None: live), as the calls answered so far
@@ -133,7 +144,7 @@ class Engine:
         with ``io`` (reads that may wait for the disk, such as whole chunks). ``fn`` must
         not touch trio state."""
         if epoch is None and self._uncommitted and (
-                marks is None or any(m in self._dirty for m in marks)):
+                marks is None or any(map(self.dirty, marks))):
             return await self._submit(Step(LOOK, lambda txn: fn(self._view(txn, None))))
         if io:
             return await trio.to_thread.run_sync(self._look_now, fn, epoch)
@@ -150,6 +161,34 @@ class Engine:
         raises leaves no trace (it runs in a nested transaction)."""
         self._uncommitted += 1
         return await self._submit(Step(LIVE, fn, args, nbytes))
+
+    def can_post(self) -> bool:
+        """Whether a change may be answered before it is even applied (``post``): no
+        awaited change is on its way, so what the trio thread knows of the tree is what
+        the committer will have when it reaches the posted step, and the committer
+        answers before commits (enough free disk, no failed commit)."""
+        return not self._inflight and self._committer.answers_early()
+
+    def post(self, fn, *args, marks, records: dict[int, S.Inode] | None = None,
+             nbytes: int = 0) -> None:
+        """Queue ``fn(live, *args)`` as a step and return at once: for changes whose
+        outcome the caller already knows (attributes, a closed file's chunks), so the call
+        is answered without a round trip to the committer. Only when ``can_post()``.
+
+        ``marks``: every mark of what the step changes that a read may consult (see
+        ``committer.marks_of``; the mepoch of ancestors excepted: ``changed_since_snapshot``
+        counts posted steps). Reads of them go through the committer, which runs them
+        after the step, until it has run. ``records``: the inode records the step will
+        write, as ``known_inode`` answers them meanwhile (an inode marked without one is
+        read through the committer). A posted step that fails is a change lost after its
+        answer, like a failed commit: the committer then refuses every later change."""
+        self._uncommitted += 1
+        for mark in marks:
+            self._posted[mark] = self._posted.get(mark, 0) + 1
+            self._records.pop(mark, None)
+        for ino, rec in (records or {}).items():
+            self._records[ino] = rec.evolve(mepoch=self.live).pack()
+        self._committer.put(Step(LIVE, fn, args, nbytes, posted=marks))
 
     async def mutate_in_thread(self, fn, *args):
         """Run ``fn(txn, *args)`` in a transaction of its own, committed before it returns
@@ -173,6 +212,8 @@ class Engine:
         finished = trio.Event()
         token = self._token
         step.done = lambda _step: _post(token, self._replied, step, finished)
+        if step.kind != LOOK:
+            self._inflight += 1
         self._committer.put(step)
         await finished.wait()
         if step.error is not None:
@@ -182,14 +223,41 @@ class Engine:
     def _replied(self, step: Step, finished: trio.Event) -> None:
         """On the trio thread, before the caller sees the reply: remember what the step
         wrote until its transaction commits."""
-        if step.marks:
-            for mark in step.marks:
-                self._dirty[mark] = step.txn_no
-                self._records.pop(mark, None)
-            self._dirty_in.setdefault(step.txn_no, []).extend(step.marks)
-            self._records.update((ino, raw) for ino, raw in step.inodes.items()
-                                 if raw is not None)
+        if step.kind != LOOK:
+            self._inflight -= 1
+        self._note(step)
         finished.set()
+
+    def _on_ran(self, steps: list[Step]) -> None:
+        """In the committer's thread: posted steps have run."""
+        _post(self._token, self._ran, steps)
+
+    def _ran(self, steps: list[Step]) -> None:
+        """On the trio thread once posted steps have run: their marks are now the ones
+        they reported, and their records the ones they wrote (unless a later posted step
+        will write them again)."""
+        for step in steps:
+            for mark in step.posted:
+                left = self._posted[mark] - 1
+                if left:
+                    self._posted[mark] = left
+                else:
+                    del self._posted[mark]
+        for step in steps:
+            self._note(step)
+
+    def _note(self, step: Step) -> None:
+        """Remember what a step wrote until its transaction commits. Records that a step
+        still queued will write keep that step's version."""
+        if not step.marks:
+            return
+        for mark in step.marks:
+            self._dirty[mark] = step.txn_no
+            if mark not in self._posted:
+                self._records.pop(mark, None)
+        self._dirty_in.setdefault(step.txn_no, []).extend(step.marks)
+        self._records.update((ino, raw) for ino, raw in step.inodes.items()
+                             if raw is not None and ino not in self._posted)
 
     def _on_commit(self, steps: int, txn_no: int) -> None:
         """In the committer's thread after each commit (or a refused live step)."""
@@ -202,7 +270,8 @@ class Engine:
         for mark in self._dirty_in.pop(txn_no, ()):
             if self._dirty.get(mark) == txn_no:
                 del self._dirty[mark]
-                self._records.pop(mark, None)
+                if mark not in self._posted:
+                    self._records.pop(mark, None)
 
     async def remove_orphans(self) -> int:
         """Delete inodes left unlinked-but-open by a process that died."""
@@ -234,7 +303,10 @@ class Engine:
 
     async def changed_since_snapshot(self) -> bool:
         """Whether anything changed since the newest snapshot: O(1), the root's mepoch
-        (buffered writes not yet committed are counted in ``files.dirty_bytes``)."""
+        (buffered writes not yet committed are counted in ``files.dirty_bytes``; a posted
+        step, which raises the mepoch of ancestors it does not mark, is a change)."""
+        if self._posted:
+            return True
         root = await self.look(lambda v: v.get(S.ROOT_INO), marks=(S.ROOT_INO,))
         return root.mepoch >= self.live
 

@@ -15,6 +15,7 @@ import time
 import blake3
 import trio
 
+from . import schema as S
 from .namespace import FsError
 
 def _dirty_limit() -> int:
@@ -284,7 +285,8 @@ class FileCache:
                 await self._commit_group(of, todo[first:first + per_step], final and last)
             if final and of.mtime_ns is not None and not of.dirty:
                 mtime = of.mtime_ns
-                await self.engine.mutate(self._commit_attrs, of, of.size, mtime)
+                await self._save(of, self._commit_attrs, (of, of.size, mtime),
+                                 ([], of.size, mtime, True))
                 if of.mtime_ns == mtime:        # no write came while committing
                     of.mtime_ns = None
             if of.opens == 0 and not of.dirty:
@@ -309,8 +311,9 @@ class FileCache:
                 lambda: [chunk_digest(d) for d in datas], limiter=HASH_THREADS)
         chunks = [(idx, digest, data) for (idx, _, _, data), digest in zip(copies, digests)]
         whole = whole and len(copies) == len(of.dirty)
-        await self.engine.mutate(self._commit_chunks, of, chunks, size, mtime, whole,
-                                 nbytes=sum(map(len, datas)))
+        await self._save(of, self._commit_chunks, (of, chunks, size, mtime, whole),
+                         ([idx for idx, _, _ in chunks], size, mtime, whole),
+                         nbytes=sum(map(len, datas)))
         for idx, dc, gen, _ in copies:
             if of.dirty.get(idx) is dc and dc.gen == gen:
                 del of.dirty[idx]
@@ -329,23 +332,51 @@ class FileCache:
         rec = live.inode(of.ino)
         if rec is None:                 # deleted meanwhile (a rollback): drop the data
             return
-        cs = self.engine.chunk_size
-        new_size = rec.size
         for idx, digest, data in chunks:
             live.put_chunk(of.ino, idx, digest, data)
-            new_size = max(new_size, min(size, of.size, (idx + 1) * cs))
-        if whole:                       # nothing else is dirty: the whole size is written
-            new_size = max(rec.size, min(size, of.size))
-        live.save(of.ino, rec.evolve(size=new_size, mtime_ns=mtime or rec.mtime_ns,
-                                     ctime_ns=mtime or rec.ctime_ns))
+        live.save(of.ino, self._grown(rec, [idx for idx, _, _ in chunks], size, of.size,
+                                      mtime, whole))
 
     def _commit_attrs(self, live, of: OpenFile, size: int, mtime: int) -> None:
         """``size``: the file's size when nothing was dirty (see _commit_chunk)."""
         rec = live.inode(of.ino)
         if rec is None:
             return
-        live.save(of.ino, rec.evolve(size=max(rec.size, min(size, of.size)), mtime_ns=mtime,
-                                     ctime_ns=mtime))
+        live.save(of.ino, self._grown(rec, [], size, of.size, mtime, True))
+
+    def _grown(self, rec: S.Inode, idxs: list[int], size: int, now_size: int,
+               mtime: int | None, whole: bool) -> S.Inode:
+        """The record of a file once chunks ``idxs`` of it are committed: ``size`` and
+        ``mtime`` as when they were copied, ``now_size`` the file's size now (lower after
+        a truncation meanwhile); ``whole``: nothing else is dirty, so all of ``size`` is
+        written."""
+        cs = self.engine.chunk_size
+        new_size = rec.size
+        for idx in idxs:
+            new_size = max(new_size, min(size, now_size, (idx + 1) * cs))
+        if whole:
+            new_size = max(rec.size, min(size, now_size))
+        return rec.evolve(size=new_size, mtime_ns=mtime or rec.mtime_ns,
+                          ctime_ns=mtime or rec.ctime_ns)
+
+    async def _save(self, of: OpenFile, step, args: tuple, grown: tuple,
+                    nbytes: int = 0) -> None:
+        """Run ``step(live, *args)``, which commits (part of) ``of`` and writes the record
+        ``_grown(rec, *grown)``: posted (no round trip to the committer) when the engine
+        allows it and the file's record is known, so a close usually costs no wait."""
+        engine = self.engine
+        if engine.can_post():
+            try:
+                rec = engine.known_inode(of.ino)
+            except FsError:
+                rec = None
+            if rec is not None:
+                idxs, size, mtime, whole = grown
+                engine.post(step, *args, marks=(of.ino,), nbytes=nbytes,
+                            records={of.ino: self._grown(rec, idxs, size, of.size, mtime,
+                                                         whole)})
+                return
+        await engine.mutate(step, *args, nbytes=nbytes)
 
     def forget_dirty(self, ino: int) -> None:
         """Drop buffered data of an inode that no longer exists."""

@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import stat
+import time
 
 import pyfuse3
 import trio
@@ -264,9 +265,25 @@ class Operations(pyfuse3.Operations):
         if fields.update_ctime:
             changes["ctime_ns"] = attr.st_ctime_ns
         if changes:
-            rec = await self.engine.mutate(_setattr, inode, changes)
+            changes.setdefault("ctime_ns", time.time_ns())
+            rec = self._post_setattr(inode, changes)
+            if rec is None:
+                rec = await self.engine.mutate(_setattr, inode, changes)
             return self._attrs(inode, rec, live=True)
         return await self._attrs_of(inode)
+
+    def _post_setattr(self, ino: int, changes: dict) -> S.Inode | None:
+        """Post the change (Engine.post) when the record it changes is known: its outcome
+        is then known too, and tar's three attribute calls per file cost no round trip.
+        None: not posted."""
+        if not self.engine.can_post():
+            return None
+        rec = self.engine.known_inode(ino)
+        if rec is None:
+            return None
+        new = _changed(rec, changes)
+        self.engine.post(_setattr, ino, changes, marks=(ino,), records={ino: new})
+        return new
 
     async def _truncate(self, ino: int, size: int) -> None:
         cs = self.engine.chunk_size
@@ -660,10 +677,16 @@ def _destroy_orphans(live, inos: list[int]) -> int:
 
 
 def _setattr(live, ino: int, changes: dict) -> S.Inode:
-    """A step: ``changes["mode"]``, if any, holds permission bits only (the type stays)."""
+    """A step: see ``_changed``."""
+    return live.save(ino, _changed(live.get(ino), changes))
+
+
+def _changed(rec: S.Inode, changes: dict) -> S.Inode:
+    """``rec`` with ``changes`` (which hold ``ctime_ns``); ``changes["mode"]``, if any,
+    holds permission bits only (the type stays)."""
     if "mode" in changes:
-        changes = dict(changes, mode=stat.S_IFMT(live.get(ino).mode) | changes["mode"])
-    return live.setattr(ino, **changes)
+        changes = dict(changes, mode=stat.S_IFMT(rec.mode) | changes["mode"])
+    return rec.evolve(**changes)
 
 
 def _assemble(v, ino: int, off: int, end: int, size: int, cs: int,
