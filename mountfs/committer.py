@@ -60,7 +60,7 @@ class Step:
     SYNC: commit what is open (SYNC also syncs LMDB's meta page); LOOK: ``fn(txn)`` reading
     the open transaction, or a read transaction when nothing is open."""
     __slots__ = ("kind", "fn", "args", "nbytes", "posted", "result", "error", "replied",
-                 "done", "marks", "inodes", "txn_no")
+                 "done", "marks", "records", "predicted", "txn_no")
 
     def __init__(self, kind: str, fn=None, args=(), nbytes: int = 0, posted=None,
                  done=None):
@@ -71,8 +71,10 @@ class Step:
         self.replied = False
         self.done = done            # called in the committer thread: must be thread-safe
         self.marks: set = set()     # what a live step wrote (see marks_of)
-        self.inodes: dict = {}      # inode -> the record it wrote last (packed; None: gone)
+        self.records: dict = {}     # what it wrote last: inode -> its record (packed;
+                                    # None: gone); (directory, name) -> the inode (0: none)
         self.txn_no = 0             # the transaction a live step ran in
+        self.predicted: dict = {}   # a posted step: the records its caller answered with
 
 
 INO_TABLES = ("inodes", "chunks", "xattrs", "parents", "orphans")   # keys begin with an inode
@@ -179,6 +181,8 @@ class Committer:
             except BaseException as e:        # a bug here must not hang the callers
                 log.exception("the committer failed serving a %s step", step.kind)
                 step.error = step.error or e
+                if step.posted is not None:
+                    self._lose(1, e)
                 self._reply(step)
                 if step.kind == LIVE and step not in self._steps:
                     self._tell_ran()
@@ -249,11 +253,14 @@ class Committer:
             step.error = e
 
     def _note_writes(self, step: Step, writes) -> None:
-        inodes = self.store.db["inodes"]
+        inodes, dirents = self.store.db["inodes"], self.store.db["dirents"]
         for db, key, value in writes:
             step.marks.update(marks_of(self._tables[db], key))
             if db is inodes:        # a version key: the record as of the live epoch
-                step.inodes[S.from_u64(key[:8])] = bytes(value) if value else None
+                step.records[S.from_u64(key[:8])] = bytes(value) if value else None
+            elif db is dirents:     # a version key; an empty value or none: no entry
+                step.records[S.from_u64(key[:8]), bytes(key[8:-9])] = \
+                    S.from_u64(value) if value else 0
 
     def _own_transaction(self, step: Step) -> None:
         try:
@@ -282,7 +289,7 @@ class Committer:
                 if not s.replied:
                     s.error = s.error or (error if isinstance(error, (FsError, StoreError))
                                           else FsError(errno.EIO, str(error)))
-                    s.marks, s.inodes = set(), {}       # nothing of it was committed
+                    s.marks, s.records = set(), {}      # nothing of it was committed
         for s in steps:
             if not s.replied:
                 self._reply(s)

@@ -25,6 +25,10 @@ from .errors import StoreError
 log = logging.getLogger(__name__)
 
 FSTYPE = "fuse.mountfs"
+# s: how long a thread holding the GIL keeps a waiting one waiting (CPython's default is
+# 5 ms). The trio thread answers every request; the committer running a queue of posted
+# steps must not hold it off that long. 0.5 ms measured best (docs/benchmarks.md).
+GIL_SWITCH = 0.0005
 
 
 @dataclass
@@ -93,6 +97,7 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
     mountpoint = os.path.abspath(mountpoint)
     _check_mountpoint(mountpoint)
     _keep_freed_buffers()
+    sys.setswitchinterval(GIL_SWITCH)
     store = Store.open(store_path, readonly=read_only, lock=not read_only,
                        holder=f"mounted at {mountpoint}")
     try:

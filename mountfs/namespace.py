@@ -220,38 +220,37 @@ class Live(View):
 
     # ---- creating and linking --------------------------------------------------------------
 
-    def _next_ino(self) -> int:
+    def reserve_inos(self, n: int) -> range:
+        """Take up to ``n`` unused inode numbers (at least one, else ENOSPC)."""
         meta = self.db["meta"]
-        ino = S.from_u64(self.txn.get(b"next_ino", db=meta))
-        if ino > S.MAX_INO:
+        first = S.from_u64(self.txn.get(b"next_ino", db=meta))
+        end = min(first + n, S.MAX_INO + 1)
+        if end <= first:
             raise FsError(errno.ENOSPC, f"every inode number up to {S.MAX_INO} is used")
-        self.txn.put(b"next_ino", S.u64(ino + 1), db=meta)
-        return ino
+        self.txn.put(b"next_ino", S.u64(end), db=meta)
+        return range(first, end)
 
     def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-               rdev: int = 0, target: bytes = b"") -> tuple[int, S.Inode]:
-        """Create a new inode of any type and link it at parent/name."""
+               rdev: int = 0, target: bytes = b"", ino: int | None = None
+               ) -> tuple[int, S.Inode]:
+        """Create a new inode of any type and link it at parent/name. ``ino``: a number
+        taken by ``reserve_inos`` (default: the next one)."""
         check_name(name)
         prec = self.get(parent)
         if not stat.S_ISDIR(prec.mode):
             raise FsError(errno.ENOTDIR)
         if self.lookup(parent, name) is not None:
             raise FsError(errno.EEXIST)
-        if prec.mode & stat.S_ISGID:            # BSD group semantics of setgid directories
-            gid = prec.gid
-            if stat.S_ISDIR(mode):
-                mode |= stat.S_ISGID
-        ino = self._next_ino()
-        size = len(target) if stat.S_ISLNK(mode) else 0
-        rec = S.Inode(mode, uid, gid, 0, size, self.now, self.now, self.now, rdev,
-                      self.live, target=target)
-        put_live(self.txn, self.db["inodes"], S.inode_key(ino), rec.pack(), self.live)
+        rec, _ = created(prec, parent, name, mode, uid, gid, rdev, target, self.now)
+        ino = self.reserve_inos(1)[0] if ino is None else ino
+        put_live(self.txn, self.db["inodes"], S.inode_key(ino),
+                 rec.evolve(nlink=0, parent=0, name=b"", mepoch=self.live).pack(), self.live)
         self.add_entry(parent, name, ino)
         return ino, self.get(ino)
 
     def clone(self, rec: S.Inode) -> int:
         """A new, unlinked inode with the attributes of ``rec`` (restore copies)."""
-        ino = self._next_ino()
+        ino = self.reserve_inos(1)[0]
         put_live(self.txn, self.db["inodes"], S.inode_key(ino),
                  rec.evolve(nlink=0, mepoch=self.live).pack(), self.live)
         return ino
@@ -471,6 +470,23 @@ def written(txn, dbs, epoch: int) -> int:
 
 def add_written(txn, dbs, epoch: int, nbytes: int) -> None:
     txn.put(S.written_key(epoch), S.u64(written(txn, dbs, epoch) + nbytes), db=dbs["meta"])
+
+
+def created(prec: S.Inode, parent: int, name: bytes, mode: int, uid: int, gid: int,
+            rdev: int, target: bytes, now: int) -> tuple[S.Inode, S.Inode]:
+    """The records ``Live.create`` leaves (mepoch aside): the new inode's, linked at
+    parent/name, and its parent's (record ``prec``). A setgid directory gives its group
+    (and, to directories, its setgid bit): BSD group semantics."""
+    if prec.mode & stat.S_ISGID:
+        gid = prec.gid
+        if stat.S_ISDIR(mode):
+            mode |= stat.S_ISGID
+    is_dir = stat.S_ISDIR(mode)
+    size = len(target) if stat.S_ISLNK(mode) else 0
+    rec = S.Inode(mode, uid, gid, 2 if is_dir else 1, size, now, now, now, rdev, 0,
+                  parent=parent, name=name, target=target)
+    return rec, prec.evolve(nlink=prec.nlink + (1 if is_dir else 0), mtime_ns=now,
+                            ctime_ns=now)
 
 
 def check_name(name: bytes) -> None:

@@ -28,7 +28,7 @@ import trio
 from . import schema as S
 from .engine import Engine
 from .filecache import OpenFile, chunk_digest
-from .namespace import FsError
+from .namespace import FsError, check_name, created
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,10 @@ class Operations(pyfuse3.Operations):
         if len(name) > S.NAME_MAX:      # before the lookup: POSIX says so, not ENOENT
             raise FsError(errno.ENAMETOOLONG)
         epoch, real = self._where(parent_inode)
+        if epoch is None and self.engine.dirty((real, name)):
+            attrs = self._known_lookup(parent_inode, real, name)
+            if attrs is not None:
+                return attrs
 
         def find(v):
             child = v.lookup(real, name)
@@ -203,6 +207,22 @@ class Operations(pyfuse3.Operations):
             rec = await self.engine.inode(child)
         kino = self._kernel_ino(parent_inode, child)
         attrs = self._attrs(kino, rec, live=epoch is None)
+        self._counted(kino)
+        return attrs
+
+    def _known_lookup(self, kparent: int, parent: int, name: bytes):
+        """A live lookup answered from what uncommitted changes wrote, when they wrote
+        both the entry and the inode's record (None: ask the committer)."""
+        known, child = self.engine.known_entry(parent, name)
+        if not known:
+            return None
+        if child is None:
+            raise FsError(errno.ENOENT)
+        rec = self.engine.known_inode(child)
+        if rec is None:
+            return None
+        kino = self._kernel_ino(kparent, child)
+        attrs = self._attrs(kino, rec, live=True)
         self._counted(kino)
         return attrs
 
@@ -231,7 +251,10 @@ class Operations(pyfuse3.Operations):
                 inos = await self.engine.look(lambda v: [
                     ino for ino in inos if v.txn.get(S.u64(ino), db=orphans) is not None],
                     marks=inos)
-            if inos and await self.engine.mutate(_destroy_orphans, inos):
+            if inos and self.engine.can_post():
+                self.engine.post(_destroy_orphans, inos, marks=inos)
+                self.engine.wake_gc()
+            elif inos and await self.engine.mutate(_destroy_orphans, inos):
                 self.engine.wake_gc()
         except Exception:
             log.exception("could not delete unlinked inodes %s; the next mount will", inos)
@@ -321,11 +344,39 @@ class Operations(pyfuse3.Operations):
 
     async def _make(self, parent, name, mode, ctx, rdev=0, target=b""):
         self._check_new_name(parent, name)
-        ino, rec = await self.engine.mutate(
+        made = await self._post_create(parent, name, mode, ctx.uid, ctx.gid, rdev, target)
+        ino, rec = made or await self.engine.mutate(
             lambda live: live.create(parent, name, mode, ctx.uid, ctx.gid, rdev, target))
         self._counted(ino)
         self._remember_no_capability(ino)      # new: no xattrs at all
         return self._attrs(ino, rec, live=True)
+
+    async def _post_create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                           rdev: int, target: bytes) -> tuple[int, S.Inode] | None:
+        """Post the create (Engine.post) when its outcome is known here: the parent's
+        record and the entry are known without the committer, so every error the step
+        could meet is raised here instead. None: not posted."""
+        if not self.engine.can_post():
+            return None
+        check_name(name)
+        prec = self.engine.known_inode(parent)
+        known, child = self.engine.known_entry(parent, name)
+        if prec is None or not known:
+            return None
+        if not stat.S_ISDIR(prec.mode):
+            raise FsError(errno.ENOTDIR)
+        if child is not None:
+            raise FsError(errno.EEXIST)
+        ino = self.engine.take_ino()
+        if ino is None:                 # this create waits; the next ones use the block
+            await self.engine.reserve_inos()
+            return None
+        now = time.time_ns()
+        rec, parent_rec = created(prec, parent, name, mode, uid, gid, rdev, target, now)
+        self.engine.post(_create, now, ino, parent, name, mode, uid, gid, rdev, target,
+                         marks=(ino, parent, (parent, name), ("ls", parent)),
+                         records={ino: rec, parent: parent_rec, (parent, name): ino})
+        return ino, rec
 
     @guard
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
@@ -382,7 +433,39 @@ class Operations(pyfuse3.Operations):
     @guard
     async def unlink(self, parent_inode, name, ctx):
         self._writable(parent_inode)
+        if self._post_unlink(parent_inode, name):
+            self.engine.wake_gc()
+            return
         await self._removed(lambda live: [live.unlink(parent_inode, name)])
+
+    def _post_unlink(self, parent: int, name: bytes) -> bool:
+        """Post the unlink (Engine.post) of a file with one name, when the entry and both
+        records are known here: every error the step could meet is raised here instead.
+        False: not posted."""
+        if not self.engine.can_post():
+            return False
+        known, child = self.engine.known_entry(parent, name)
+        if not known:
+            return False
+        if child is None:
+            raise FsError(errno.ENOENT)
+        prec, crec = self.engine.known_inode(parent), self.engine.known_inode(child)
+        if prec is None or crec is None or stat.S_ISDIR(crec.mode) or crec.nlink != 1 \
+                or (crec.parent, crec.name) != (parent, name):
+            return False        # a directory (EISDIR) or hard links: the step decides
+        now = time.time_ns()
+        self.engine.post(self._unlink_step, now, parent, name,
+                         marks=(child, parent, (parent, name), ("ls", parent)),
+                         records={parent: prec.evolve(mtime_ns=now, ctime_ns=now),
+                                  child: crec.evolve(nlink=0, ctime_ns=now, parent=0,
+                                                     name=b""),
+                                  (parent, name): 0})
+        return True
+
+    def _unlink_step(self, live, now: int, parent: int, name: bytes) -> None:
+        """A posted step: unlink with the caller's clock (the records it answered with)."""
+        live.now = now
+        self._unlinked(live, [live.unlink(parent, name)])
 
     @guard
     async def rmdir(self, parent_inode, name, ctx):
@@ -679,6 +762,13 @@ def _destroy_orphans(live, inos: list[int]) -> int:
 def _setattr(live, ino: int, changes: dict) -> S.Inode:
     """A step: see ``_changed``."""
     return live.save(ino, _changed(live.get(ino), changes))
+
+
+def _create(live, now: int, ino: int, *args) -> None:
+    """A posted step: ``Live.create`` with the caller's inode number and clock, so that it
+    writes the records the caller answered with (``namespace.created``)."""
+    live.now = now
+    live.create(*args, ino=ino)
 
 
 def _changed(rec: S.Inode, changes: dict) -> S.Inode:

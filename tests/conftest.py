@@ -102,8 +102,8 @@ class Mount:
         cli("mountfs", "umount", self.mnt)
 
     def log(self) -> str:
-        """What the server wrote to stdout and stderr so far."""
-        return self.log_path.read_text()
+        """What the mount process logged so far."""
+        return (self.store / "mountfs.log").read_text()
 
     def kill9(self) -> None:
         """Kill the mount process as a crash would, and detach the dead mount."""
