@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 SYNC_INTERVAL = 1.0
 INO_BLOCK = 1024    # inode numbers reserved at once for posted creates (a remount leaves
                     # the rest of a block unused: 2^40 numbers make that harmless)
+POSTED_BYTES = 8 << 20  # chunk data posted and not yet applied, at most: past it a flush
+                        # waits for its step, so a fast writer is held back by the store
+                        # (and buffered data stays within filecache's bound)
 GC_GATHER = 1.0     # s: the collector waits this long after a wake-up, so that the deletes
                     # of a second share its batches (each batch is a commit of its own)
 
@@ -48,6 +51,7 @@ class Engine:
                                                     # wrote (see Step.records)
         self._posted: dict = {}                     # mark -> posted steps not yet run
         self._inflight = 0                          # awaited changes sent, not answered
+        self._posted_bytes = 0                      # chunk data of posted steps not yet run
         self._inos = range(0)                       # reserved numbers for posted creates
         self._committer = Committer(store, lambda: self.live, self._on_commit,
                                     self._on_ran)
@@ -186,12 +190,14 @@ class Engine:
         """Reserve the next block of inode numbers (one awaited step per INO_BLOCK)."""
         self._inos = await self.mutate(lambda live: live.reserve_inos(INO_BLOCK))
 
-    def can_post(self) -> bool:
-        """Whether a change may be answered before it is even applied (``post``): no
-        awaited change is on its way, so what the trio thread knows of the tree is what
-        the committer will have when it reaches the posted step, and the committer
-        answers before commits (enough free disk, no failed commit)."""
-        return not self._inflight and self._committer.answers_early()
+    def can_post(self, nbytes: int = 0) -> bool:
+        """Whether a change (writing ``nbytes`` of chunk data) may be answered before it is
+        even applied (``post``): no awaited change is on its way, so what the trio thread
+        knows of the tree is what the committer will have when it reaches the posted
+        step; the committer answers before commits (enough free disk, no failed commit);
+        and the posted steps' data stays within POSTED_BYTES."""
+        return not self._inflight and self._committer.answers_early() and \
+            (not nbytes or self._posted_bytes + nbytes <= POSTED_BYTES)
 
     def post(self, fn, *args, marks, records: dict | None = None, nbytes: int = 0) -> None:
         """Queue ``fn(live, *args)`` as a step and return at once: for changes whose
@@ -208,6 +214,7 @@ class Engine:
         through the committer. A posted step that fails is a change lost after its
         answer, like a failed commit: the committer then refuses every later change."""
         self._uncommitted += 1
+        self._posted_bytes += nbytes
         for mark in marks:
             self._posted[mark] = self._posted.get(mark, 0) + 1
             self._records.pop(mark, None)
@@ -265,6 +272,7 @@ class Engine:
         they reported, and their records the ones they wrote (unless a later posted step
         will write them again)."""
         for step in steps:
+            self._posted_bytes -= step.nbytes
             for mark in step.posted:
                 left = self._posted[mark] - 1
                 if left:

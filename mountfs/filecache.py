@@ -365,7 +365,7 @@ class FileCache:
         ``_grown(rec, *grown)``: posted (no round trip to the committer) when the engine
         allows it and the file's record is known, so a close usually costs no wait."""
         engine = self.engine
-        if engine.can_post():
+        if engine.can_post(nbytes):
             try:
                 rec = engine.known_inode(of.ino)
             except FsError:
