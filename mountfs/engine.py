@@ -213,15 +213,15 @@ class Engine:
         (directory, name) -> the inode it names (0: none). A mark without one is read
         through the committer. A posted step that fails is a change lost after its
         answer, like a failed commit: the committer then refuses every later change."""
+        step = Step(LIVE, fn, args, nbytes, posted=marks)
+        for key, value in (records or {}).items():     # first: a record that cannot be
+            step.predicted[key] = value.evolve(mepoch=self.live).pack() \
+                if isinstance(value, S.Inode) else value   # packed leaves nothing counted
         self._uncommitted += 1
         self._posted_bytes += nbytes
         for mark in marks:
             self._posted[mark] = self._posted.get(mark, 0) + 1
             self._records.pop(mark, None)
-        step = Step(LIVE, fn, args, nbytes, posted=marks)
-        for key, value in (records or {}).items():
-            step.predicted[key] = value.evolve(mepoch=self.live).pack() \
-                if isinstance(value, S.Inode) else value
         self._records.update(step.predicted)
         self._committer.put(step)
 

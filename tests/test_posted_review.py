@@ -1,0 +1,201 @@
+"""Review of posted steps (Engine.post): what a process can observe when the trio thread
+answers faster than the committer applies."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+from conftest import drop_caches
+
+
+def test_kill9_takes_back_only_the_last_moments(mounted):
+    """README: kill -9 "can take back only the last few milliseconds of other calls (about
+    5 ms, more while a commit waits for the disk), and always a suffix of them". Posted
+    creates are answered before their step runs: if nothing bounds the steps queued for the
+    committer, calls answered long before the kill are lost."""
+    d = mounted.mnt / "d"
+    d.mkdir()
+    os.sync()
+    answered = []
+    end = time.monotonic() + 4.0
+    i = 0
+    while time.monotonic() < end:
+        os.symlink("x", d / f"s{i}")
+        answered.append(time.monotonic())
+        i += 1
+    killed = time.monotonic()
+    mounted.kill9()
+    mounted.mount()
+    present = set(os.listdir(d))
+    missing = [k for k in range(i) if f"s{k}" not in present]
+    assert missing == list(range(i - len(missing), i)), "not a suffix"
+    if missing:
+        lost_for = killed - answered[missing[0]]
+        assert lost_for < 0.5, (f"{len(missing)} of {i} answered creates lost, the first "
+                                f"answered {lost_for:.2f} s before the kill")
+
+
+def test_fsyncdir_after_a_burst_waits_for_little(mounted):
+    """The backlog of posted steps shows as the time an fsync right after a burst takes:
+    it must wait for every answered change to be applied."""
+    d = mounted.mnt / "d"
+    d.mkdir()
+    end = time.monotonic() + 4.0
+    i = 0
+    while time.monotonic() < end:
+        os.symlink("x", d / f"s{i}")
+        i += 1
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        t0 = time.monotonic()
+        os.fsync(fd)
+        took = time.monotonic() - t0
+    finally:
+        os.close(fd)
+    assert took < 0.5, f"fsync after {i} creates took {took:.2f} s"
+
+
+def _stats(root) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = (
+                st.st_ino, st.st_mode, st.st_nlink, st.st_uid, st.st_gid,
+                st.st_size if not stat.S_ISDIR(st.st_mode) else None,
+                st.st_mtime_ns, st.st_ctime_ns)
+    return out
+
+
+def test_mixed_posted_and_awaited_changes_agree_with_the_store(make_mount, monkeypatch):
+    """Posted creates, unlinks and attribute changes mixed with awaited renames, links,
+    truncations, xattrs and writes: what stat answers before the commit, after the kernel
+    forgot, and after a remount must agree, and no step may write other records than its
+    answer."""
+    monkeypatch.setenv("MOUNTFS_COMMIT_DELAY", "3600")
+    m = make_mount(chunk_size="4K")
+    r = m.mnt
+    (r / "a").mkdir()
+    os.chmod(r / "a", 0o2775)
+    (r / "a" / "sub").mkdir()                       # setgid inherited
+    (r / "a" / "f").write_bytes(b"x" * 5000)
+    os.rename(r / "a" / "f", r / "a" / "g")         # awaited rename after a posted create
+    os.chmod(r / "a" / "g", 0o640)                  # posted setattr after the rename
+    os.link(r / "a" / "g", r / "a" / "h")           # awaited link
+    os.unlink(r / "a" / "g")                        # two names: awaited
+    os.chmod(r / "a" / "h", 0o600)
+    os.unlink(r / "a" / "h")                        # one name left: posted
+    (r / "b").write_bytes(b"y" * 9000)
+    os.truncate(r / "b", 100)                       # awaited truncate
+    os.utime(r / "b", ns=(5, 6))                    # posted after it
+    os.setxattr(r / "b", "user.k", b"v")            # awaited xattr
+    os.chmod(r / "b", 0o604)
+    fd = os.open(r / "c", os.O_CREAT | os.O_RDWR, 0o644)
+    os.write(fd, b"z" * 7000)
+    os.unlink(r / "c")                              # open, unlinked: posted
+    os.fchmod(fd, 0o600)
+    assert os.fstat(fd).st_nlink == 0
+    os.write(fd, b"w" * 100)
+    os.close(fd)
+    os.mkdir(r / "d")
+    os.symlink("b", r / "d" / "s")
+    os.rename(r / "d", r / "a" / "sub" / "d")      # a directory of posted creates moved
+    os.mknod(r / "a" / "sub" / "d" / "fifo", 0o600 | stat.S_IFIFO)
+    os.rename(r / "a" / "sub" / "d" / "fifo", r / "fifo2")
+    os.unlink(r / "fifo2")
+    answered = _stats(r)
+    drop_caches()
+    assert _stats(r) == answered
+    m.umount()
+    assert "differ from what it wrote" not in m.log()
+    m.mount()
+    assert _stats(r) == answered
+
+
+def test_kill9_after_closes_takes_back_only_the_last_moments(mounted):
+    """README: a closed file's data is committed in the order of the calls a few
+    milliseconds after close returns; posted chunk steps queued without bound would let
+    kill -9 take back files closed seconds before (and hold their data in memory)."""
+    d = mounted.mnt / "d"
+    d.mkdir()
+    os.sync()
+    base = os.urandom(1 << 20)
+    answered = []
+    end = time.monotonic() + 4.0
+    i = 0
+    while time.monotonic() < end:
+        with open(d / f"f{i}", "wb") as f:
+            for c in range(2):
+                f.write(i.to_bytes(8, "little") + c.to_bytes(8, "little") + base[16:])
+        answered.append(time.monotonic())
+        i += 1
+    killed = time.monotonic()
+    mounted.kill9()
+    mounted.mount()
+    whole = {p.name for p in d.iterdir() if p.stat().st_size == 2 << 20}
+    missing = [k for k in range(i) if f"f{k}" not in whole]
+    assert missing == list(range(i - len(missing), i)), "not a suffix"
+    if missing:
+        lost_for = killed - answered[missing[0]]
+        assert lost_for < 0.5, (f"{len(missing)} of {i} closed files lost, the first "
+                                f"closed {lost_for:.2f} s before the kill")
+
+
+def test_rollback_after_posted_changes(make_mount, monkeypatch):
+    """Posted creates, unlinks and attribute changes, then a forced rollback while nothing
+    was committed yet: the tree is the snapshot's, and posted changes after it are kept."""
+    from diffapply import tree_state
+    from test_restore import build_tree, mess_up
+    monkeypatch.setenv("MOUNTFS_COMMIT_DELAY", "3600")
+    m = make_mount()
+    t = m.mnt / "t"
+    t.mkdir()
+    build_tree(t)
+    m.snapctl("create", "s1")
+    s1 = tree_state(m.mnt / ".snapshot/s1")
+    mess_up(t)
+    os.chmod(t / "a/file", 0o600)
+    (t / "p").mkdir()
+    for i in range(30):
+        (t / "p" / f"x{i}").write_bytes(b"x" * i)
+    for i in range(0, 30, 3):
+        os.unlink(t / "p" / f"x{i}")
+    m.snapctl("restore", "s1", "--force")
+    assert tree_state(m.mnt) == s1
+    (t / "after").write_text("after")
+    os.chmod(t / "a/file", 0o640)
+    os.unlink(t / "a/file")
+    os.mkdir(t / "p")
+    (t / "p" / "y").write_text("y")
+    live = tree_state(m.mnt)
+    drop_caches()
+    assert tree_state(m.mnt) == live
+    m.umount()
+    assert "differ from what it wrote" not in m.log()
+    m.mount()
+    assert tree_state(m.mnt) == live
+
+
+def test_refused_attribute_change_leaves_nothing_pending(mounted):
+    """A time the store cannot hold (past 2262 in nanoseconds) makes the record unpackable:
+    the call fails, but must not leave a change counted as pending forever (the mount
+    would then report the tree changed after every snapshot, and send every read of the
+    inode through the committer)."""
+    import errno
+
+    from mountfs import control
+    f = mounted.mnt / "f"
+    f.write_bytes(b"x")
+    far = 300 * 365 * 86400 * 10**9             # year 2270: beyond a signed 64-bit ns
+    try:
+        os.utime(f, ns=(far, far))
+    except OSError as e:
+        assert e.errno in (errno.EIO, errno.EINVAL, errno.EOVERFLOW)
+    mounted.snapctl("create", "s1")
+    status = control.request(mounted.store, {"op": "status"})
+    assert status["changed"] is False, status
+    os.utime(f, ns=(5, 6))
+    assert os.stat(f).st_mtime_ns == 6
