@@ -454,7 +454,7 @@ class Operations(pyfuse3.Operations):
                 or (crec.parent, crec.name) != (parent, name):
             return False        # a directory (EISDIR) or hard links: the step decides
         now = time.time_ns()
-        self.engine.post(self._unlink_step, now, parent, name,
+        self.engine.post(self._unlink_step, now, parent, name, self._is_open(child),
                          marks=(child, parent, (parent, name), ("ls", parent)),
                          records={parent: prec.evolve(mtime_ns=now, ctime_ns=now),
                                   child: crec.evolve(nlink=0, ctime_ns=now, parent=0,
@@ -462,10 +462,21 @@ class Operations(pyfuse3.Operations):
                                   (parent, name): 0})
         return True
 
-    def _unlink_step(self, live, now: int, parent: int, name: bytes) -> None:
-        """A posted step: unlink with the caller's clock (the records it answered with)."""
+    @staticmethod
+    def _unlink_step(live, now: int, parent: int, name: bytes, held: bool) -> None:
+        """A posted step: unlink with the caller's clock (the records it answered with).
+        ``held``: whether the kernel held the inode when the unlink was answered. Decided
+        then, not when the step runs: by then later calls may have reached the inode
+        (a SETATTR racing the unlink, posted after it) and the kernel may have forgotten
+        it since, so destroying it here would fail their steps; a forget after the unlink
+        deletes the orphan (``_reap``), in a step queued after theirs."""
         live.now = now
-        self._unlinked(live, [live.unlink(parent, name)])
+        ino, rec = live.unlink(parent, name)
+        if rec.nlink == 0:
+            if held:
+                live.add_orphan(ino)
+            else:
+                live.destroy(ino)
 
     @guard
     async def rmdir(self, parent_inode, name, ctx):
