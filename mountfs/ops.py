@@ -309,6 +309,17 @@ class Operations(pyfuse3.Operations):
         return new
 
     async def _truncate(self, ino: int, size: int) -> None:
+        """Under the open file's lock (if it is open), so that no commit of its chunks is
+        posted between the truncation's step and ``of.size`` following it: a commit posted
+        there would answer the size before the truncation and write the one after it."""
+        of = self.engine.files.get(ino)
+        if of is None:
+            await self._truncate_locked(ino, size)
+            return
+        async with of.lock:
+            await self._truncate_locked(ino, size)
+
+    async def _truncate_locked(self, ino: int, size: int) -> None:
         cs = self.engine.chunk_size
 
         def cut_chunk(v):
