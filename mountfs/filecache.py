@@ -378,6 +378,24 @@ class FileCache:
                 return
         await engine.mutate(step, *args, nbytes=nbytes)
 
+    def cut(self, of: OpenFile, size: int) -> None:
+        """Truncate ``of``'s buffered writes to ``size`` and make it the file's size (a
+        truncation, under ``of.lock``: no commit of them is in flight)."""
+        cs = self.engine.chunk_size
+        last, keep = divmod(size, cs)
+        for idx in [i for i in of.dirty if i > last or (i == last and not keep)]:
+            del of.dirty[idx]
+            self.dirty_bytes -= cs
+            self.flushed.set()
+        dc = of.dirty.get(last)
+        if dc is not None:
+            dc.data = bytearray(dc.data[:keep])
+            if dc.ranges is not None:
+                dc.ranges = [(start, min(end, keep)) for start, end in dc.ranges
+                             if start < keep]
+            dc.gen += 1
+        of.size = size
+
     def forget_dirty(self, ino: int) -> None:
         """Drop buffered data of an inode that no longer exists."""
         of = self.files.get(ino)

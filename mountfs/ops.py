@@ -309,9 +309,9 @@ class Operations(pyfuse3.Operations):
         return new
 
     async def _truncate(self, ino: int, size: int) -> None:
-        """Under the open file's lock (if it is open), so that no commit of its chunks is
-        posted between the truncation's step and ``of.size`` following it: a commit posted
-        there would answer the size before the truncation and write the one after it."""
+        """Under the open file's lock (if it is open): no commit of its chunks runs or is
+        posted between the cut of its buffers and the truncation's step (one posted there
+        would answer the size before the cut, and its step write the one after)."""
         of = self.engine.files.get(ino)
         if of is None:
             await self._truncate_locked(ino, size)
@@ -329,6 +329,9 @@ class Operations(pyfuse3.Operations):
             keep = size % cs
             return v.chunk_data(ino, size // cs)[:keep] if keep and size < rec.size else None
         tail = await self.engine.look(cut_chunk, io=True, marks=(ino,))
+        of = self.engine.files.get(ino)
+        if of is not None:      # writes answered before this point are cut with the file;
+            self.engine.files.cut(of, size)         # later ones extend it from ``size``
         digest = await trio.to_thread.run_sync(chunk_digest, tail) if tail else None
 
         def apply(live):
@@ -342,9 +345,6 @@ class Operations(pyfuse3.Operations):
             live.setattr(ino, size=size, mtime_ns=now, ctime_ns=now)
 
         await self.engine.mutate(apply)
-        of = self.engine.files.get(ino)
-        if of is not None:
-            of.size = size
 
     # ---- creating names ------------------------------------------------------------------
 

@@ -208,7 +208,7 @@ def _concurrent(make_mount, monkeypatch, shared_writes: bool):
     import random
     import threading
     monkeypatch.setenv("MOUNTFS_COMMIT_DELAY", "3600")
-    m = make_mount(chunk_size="4K", fsck=not shared_writes)
+    m = make_mount(chunk_size="4K")
     dirs = [m.mnt / f"d{k}" for k in range(3)]
     for d in dirs:
         d.mkdir()
@@ -280,6 +280,6 @@ def test_concurrent_posted_and_awaited_changes(make_mount, monkeypatch):
 def test_concurrent_truncating_writers(make_mount, monkeypatch):
     """The same with files rewritten in place by several threads: a commit of a file's
     chunks posted between a truncation's step and the open file's size following it
-    answered a size its step did not write. (fsck is not asked here: a write racing a
-    truncation can leave a chunk beyond the size, an older race of _truncate.)"""
+    answered a size its step did not write; and a write racing a truncation (O_TRUNC)
+    left a chunk beyond the file's size (fsck, run after every test, said so)."""
     _concurrent(make_mount, monkeypatch, shared_writes=True)
