@@ -424,21 +424,22 @@ class Operations(pyfuse3.Operations):
 
     # ---- removing names ------------------------------------------------------------------
 
-    def _unlinked(self, live, freed) -> None:
+    @staticmethod
+    def _unlinked(live, freed, held) -> None:
         """Inodes whose last link went away: delete now, or when the kernel forgets them
-        (while it holds one, an O_PATH descriptor or an open racing the unlink can still
-        reach it)."""
+        (while it holds one, ``held(ino)``, an O_PATH descriptor or an open racing the
+        unlink can still reach it)."""
         for ino, rec in freed:
             if rec.nlink > 0:
                 continue
-            if self._is_open(ino):
+            if held(ino):
                 live.add_orphan(ino)
             else:
                 live.destroy(ino)
 
     async def _removed(self, fn) -> None:
         """Run a step that unlinks (``fn(live)`` -> freed inodes)."""
-        await self.engine.mutate(lambda live: self._unlinked(live, fn(live)))
+        await self.engine.mutate(lambda live: self._unlinked(live, fn(live), self._is_open))
         self.engine.wake_gc()
 
     @guard
@@ -482,12 +483,7 @@ class Operations(pyfuse3.Operations):
         it since, so destroying it here would fail their steps; a forget after the unlink
         deletes the orphan (``_reap``), in a step queued after theirs."""
         live.now = now
-        ino, rec = live.unlink(parent, name)
-        if rec.nlink == 0:
-            if held:
-                live.add_orphan(ino)
-            else:
-                live.destroy(ino)
+        Operations._unlinked(live, [live.unlink(parent, name)], lambda _ino: held)
 
     @guard
     async def rmdir(self, parent_inode, name, ctx):

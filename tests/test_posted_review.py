@@ -29,11 +29,19 @@ def test_kill9_takes_back_only_the_last_moments(mounted):
     mounted.kill9()
     mounted.mount()
     present = set(os.listdir(d))
-    missing = [k for k in range(i) if f"s{k}" not in present]
-    assert missing == list(range(i - len(missing), i)), "not a suffix"
+    _lost_only_the_last_moments([f"s{k}" not in present for k in range(i)], answered,
+                                killed, "answered creates")
+
+
+def _lost_only_the_last_moments(lost: list[bool], answered: list[float], killed: float,
+                                what: str) -> None:
+    """``lost[k]``: whether call k (answered at ``answered[k]``) is gone after the kill:
+    the lost ones must be a suffix, and the first of them answered just before it."""
+    missing = [k for k, gone in enumerate(lost) if gone]
+    assert missing == list(range(len(lost) - len(missing), len(lost))), "not a suffix"
     if missing:
         lost_for = killed - answered[missing[0]]
-        assert lost_for < 0.5, (f"{len(missing)} of {i} answered creates lost, the first "
+        assert lost_for < 0.5, (f"{len(missing)} of {len(lost)} {what} lost, the first "
                                 f"answered {lost_for:.2f} s before the kill")
 
 
@@ -136,12 +144,8 @@ def test_kill9_after_closes_takes_back_only_the_last_moments(mounted):
     mounted.kill9()
     mounted.mount()
     whole = {p.name for p in d.iterdir() if p.stat().st_size == 2 << 20}
-    missing = [k for k in range(i) if f"f{k}" not in whole]
-    assert missing == list(range(i - len(missing), i)), "not a suffix"
-    if missing:
-        lost_for = killed - answered[missing[0]]
-        assert lost_for < 0.5, (f"{len(missing)} of {i} closed files lost, the first "
-                                f"closed {lost_for:.2f} s before the kill")
+    _lost_only_the_last_moments([f"f{k}" not in whole for k in range(i)], answered,
+                                killed, "closed files")
 
 
 def test_rollback_after_posted_changes(make_mount, monkeypatch):
