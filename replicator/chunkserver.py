@@ -32,6 +32,7 @@ FRAME = struct.Struct(">32sI")
 MAX_DIGESTS = 1 << 16              # one request: a batch is far smaller (transfer.MAX_CHUNKS)
 MAX_PROBLEM = 1000
 CONNECT_SECONDS = 10.0
+IDLE_SECONDS = 120.0               # a connection silent this long is closed (a thread each)
 
 
 class ChunkEndpointError(Exception):
@@ -107,9 +108,16 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     owner: ChunkServer
 
+    def handle_error(self, request, client_address) -> None:
+        """A peer that breaks its connection mid-request (a worker host that died, a
+        hostile client) is not the source's failure: socketserver would print a traceback
+        on the user's terminal. The job notices the missing batch through its own deadline,
+        which names the executor it lost."""
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    timeout = IDLE_SECONDS
     server: _Server
 
     def log_message(self, *args) -> None:        # no access log on the terminal

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import subprocess
+import time
 
 import blake3
 import pytest
 
 from mountfs.store import Store
+from replicator import chunkserver
 from replicator.chunkserver import ChunkClient, ChunkEndpointError, ChunkServer
 
 
@@ -96,3 +99,29 @@ def test_batches_balance_bytes_and_count():
     assert max(counts) <= transfer.MAX_CHUNKS + 64 and min(counts) >= transfer.MAX_CHUNKS // 2
     loads = [sum(n for _, n in b) + len(b) * transfer.CHUNK_COST for b in bins]
     assert max(loads) - min(loads) <= (1 << 20) + transfer.CHUNK_COST
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a TCP reset, as a host that dies mid-request leaves the connection."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_a_peer_that_resets_or_stalls_prints_nothing_and_holds_nothing(source, capfd,
+                                                                        monkeypatch):
+    store, chunks = source
+    monkeypatch.setattr(chunkserver._Handler, "timeout", 0.5)
+    with ChunkServer(store, {d: len(v) for d, v in chunks.items()}, "127.0.0.1") as server:
+        address = server.server.server_address
+        for partial in (b"POST /v1/chunks HTT", b"POST /v1/chunks HTTP/1.1\r\nContent-Le"):
+            s = socket.create_connection(address)
+            s.sendall(partial)
+            time.sleep(0.2)                      # the handler is reading when the reset comes
+            _reset(s)
+        with socket.create_connection(address) as idle:
+            idle.settimeout(30)
+            assert idle.recv(100) == b""         # closed by the server, not by us
+        got = server.client().fetch(list(chunks), timeout=10)
+        assert [d for d, _ in got] == list(chunks)
+    out, err = capfd.readouterr()
+    assert err == "" and out == ""
