@@ -9,7 +9,8 @@ order-free and incremental: changing an item XORs out its old hash and XORs in t
 The buckets are versioned records like the items (one version per epoch), so every snapshot
 has its bucket hashes for free and a snapshot stays O(1). ``store.put_live`` and
 ``store.delete_live`` (the only writers of versioned items) keep them current through
-``changed``; ``compute`` recomputes them from the items themselves (fsck, verify --full).
+``changed``, at once or, in a transaction that defers them (the mount's open
+transaction), through ``Deferred`` when it commits; ``compute`` recomputes them from the items themselves (fsck, verify --full).
 
 An item's hash leaves out what legitimately differs between a source and its mirror: the
 ``mepoch`` of an inode record (each store counts its own epochs).
@@ -68,6 +69,34 @@ def changed(txn, db, base: bytes, old, new, live: int) -> None:
         return
     key = bucket_key(bucket_of(base, count))
     txn.put(key + S.inv(live), xor(read(txn, bdb, key, live), delta), db=bdb)
+
+
+class Deferred:
+    """The bucket updates of one write transaction, folded in once at its end: an item
+    written many times in the transaction (a file's record: created, linked, three
+    attribute changes, its size) then costs one pair of hashes and one bucket write instead
+    of one per write. Remembers each item's visible value as the transaction first found it;
+    ``fold`` hashes that against the value at the end. Correct also when a nested
+    transaction that wrote an item is aborted (its item simply did not change)."""
+    __slots__ = ("before",)
+
+    def __init__(self):
+        self.before: dict = {}          # (table handle, base) -> value at first write
+
+    def note(self, db, base: bytes, old_of) -> None:
+        """Item ``base`` of ``db`` is about to be written; ``old_of()``: its visible value
+        (None: absent), asked only for the item's first write in the transaction."""
+        if (db, base) not in self.before:
+            self.before[db, base] = old_of()
+
+    def fold(self, txn, live: int) -> None:
+        """Fold every remembered item's change into its bucket, in ``txn`` (the
+        transaction itself, before it commits)."""
+        from .store import get_at
+        before, self.before = self.before, {}
+        for (db, base), old in before.items():
+            new = get_at(txn, db, base, live)
+            changed(txn, db, base, old, bytes(new) if new is not None else None, live)
 
 
 def bucket_key(bucket: int) -> bytes:

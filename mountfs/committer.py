@@ -18,6 +18,10 @@ Rules (the engine keeps them):
   the call that caused it (ENOSPC) instead of a commit after the reply. A commit that still
   fails after replies went out loses those changes (as a crash would): the committer then
   refuses every later step, and the mount must be remounted;
+* the bucket hashes of what the open transaction wrote are folded in once, just before it
+  commits (buckets.Deferred): an item written five times costs one pair of hashes. Inside
+  the open transaction they are stale; nothing reads them there (snapshots, verify and
+  fsck read committed epochs);
 * a *posted* step (Engine.post) is answered before it runs, by a caller that knows its
   outcome; if it fails all the same, that too is an answered change lost: the committer
   refuses every later step.
@@ -34,6 +38,7 @@ import time
 
 import lmdb
 
+from . import buckets
 from . import schema as S
 from .namespace import FsError, Live
 from .store import Store, StoreError, StoreFull
@@ -94,11 +99,12 @@ def marks_of(table: str, key: bytes):
 
 class _Recorder:
     """A write transaction that remembers which (table, key, value) a step wrote (value
-    None: deleted)."""
-    __slots__ = ("txn", "writes")
+    None: deleted), and whose bucket-hash updates wait for the open transaction's commit
+    (``deferred_buckets``, read by store.put_live and delete_live)."""
+    __slots__ = ("txn", "writes", "deferred_buckets")
 
-    def __init__(self, txn):
-        self.txn, self.writes = txn, []
+    def __init__(self, txn, deferred_buckets: buckets.Deferred):
+        self.txn, self.writes, self.deferred_buckets = txn, [], deferred_buckets
 
     def get(self, key, default=None, db=None):
         return self.txn.get(key, default, db)
@@ -134,6 +140,7 @@ class Committer:
         self._ran: list[Step] = []
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._txn: lmdb.Transaction | None = None
+        self._deferred_buckets = buckets.Deferred()      # the open transaction's
         self._steps: list[Step] = []
         self._bytes = 0
         self._deadline = 0.0
@@ -243,7 +250,7 @@ class Committer:
         step.txn_no = self._txn_no
         try:
             with self.store.env.begin(write=True, parent=self._txn, buffers=True) as child:
-                recorder = _Recorder(child)
+                recorder = _Recorder(child, self._deferred_buckets)
                 step.result = step.fn(Live(recorder, self.store.db, self._live_epoch(),
                                            self.store.chunk_size), *step.args)
             self._note_writes(step, recorder.writes)
@@ -278,6 +285,7 @@ class Committer:
         txn, steps, txn_no = self._txn, self._steps, self._txn_no
         self._txn, self._steps, self._bytes = None, [], 0
         try:
+            self._deferred_buckets.fold(txn, self._live_epoch())
             self.store.commit(txn)
         except BaseException as e:
             error = FsError(errno.ENOSPC, str(e)) if isinstance(e, StoreFull) else e

@@ -364,9 +364,8 @@ def put_live(txn, db, base: bytes, value: bytes, live: int) -> bytes | None:
     Keeps the bucket hashes of tracked tables current."""
     key = base + S.inv(live)
     if buckets.is_tracked(db):
-        visible = get_at(txn, db, base, live)
-        buckets.changed(txn, db, base, bytes(visible) if visible is not None else None,
-                        value, live)
+        _bucket_change(txn, db, base, lambda: _bytes_or_none(get_at(txn, db, base, live)),
+                       value, live)
     old = txn.get(key, db=db)
     old = bytes(old) if old is not None else None
     txn.put(key, value, db=db)
@@ -385,7 +384,7 @@ def delete_live(txn, db, base: bytes, live: int) -> tuple[bool, bytes | None]:
         return False, None
     value = bytes(cur.value())
     if value and buckets.is_tracked(db):
-        buckets.changed(txn, db, base, value, None, live)
+        _bucket_change(txn, db, base, lambda: value, None, live)
     if S.epoch_of_key(k) != live:
         if not value:
             return False, None
@@ -400,6 +399,20 @@ def delete_live(txn, db, base: bytes, live: int) -> tuple[bool, bytes | None]:
     else:
         txn.delete(key, db=db)
     return existed, value or None
+
+
+def _bucket_change(txn, db, base: bytes, old_of, new: bytes | None, live: int) -> None:
+    """Keep the bucket hashes current as item ``base`` goes from ``old_of()`` to ``new``: at
+    once, or when the transaction commits if it defers them (its ``deferred_buckets``)."""
+    deferred = getattr(txn, "deferred_buckets", None)
+    if deferred is not None:
+        deferred.note(db, base, old_of)
+    else:
+        buckets.changed(txn, db, base, old_of(), new, live)
+
+
+def _bytes_or_none(value) -> bytes | None:
+    return bytes(value) if value is not None else None
 
 
 def iter_visible(txn, db, prefix: bytes, epoch: int, start: bytes | None = None):

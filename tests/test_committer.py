@@ -1,0 +1,83 @@
+"""The committer thread on a real store (no mount): bucket hashes are folded in once per
+transaction (buckets.Deferred), and must still equal those recomputed from the items after
+many writes of the same items in one transaction, steps that fail half-way (their nested
+transaction is aborted), and a transaction whose commit is followed by a snapshot."""
+
+from __future__ import annotations
+
+import errno
+import queue
+import stat
+
+from conftest import cli, fsck_clean
+from mountfs import buckets, snapshots
+from mountfs import schema as S
+from mountfs.committer import LIVE, SYNC, TXN, Committer, Step
+from mountfs.namespace import FsError
+from mountfs.store import Store
+
+
+def _run(committer: Committer, kind: str, fn=None, *args):
+    """Submit one step and wait for its reply (the committer calls ``done`` in its thread)."""
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    committer.put(Step(kind, fn, args, done=replies.put))
+    step = replies.get(timeout=60)
+    if step.error is not None:
+        raise step.error
+    return step.result
+
+
+def _half_done(live, parent: int, name: bytes) -> None:
+    """A step that writes records and then fails: none of it may count."""
+    live.create(parent, name, stat.S_IFREG | 0o644, 0, 0)
+    raise FsError(errno.EIO, "failed half-way")
+
+
+def test_buckets_folded_per_transaction_match_the_items(tmp_path, monkeypatch):
+    monkeypatch.setattr("mountfs.committer.COMMIT_DELAY", 3600.0)   # one transaction
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path)
+    live_epoch = [0]
+    with store.read() as txn:
+        live_epoch[0] = store.live_epoch(txn)
+    committer = Committer(store, lambda: live_epoch[0], lambda n, txn_no: None,
+                          lambda steps: None)
+    committer.start()
+    try:
+        d, _ = _run(committer, LIVE, lambda live: live.create(S.ROOT_INO, b"d",
+                                                              stat.S_IFDIR | 0o755, 0, 0))
+        for i in range(30):
+            ino, rec = _run(committer, LIVE, lambda live, i=i: live.create(
+                d, b"f%d" % i, stat.S_IFREG | 0o644, 0, 0))
+            for mode in (0o600, 0o640, 0o444):        # the same record, again and again
+                _run(committer, LIVE, lambda live, ino=ino, mode=mode:
+                     live.save(ino, live.get(ino).evolve(mode=stat.S_IFREG | mode)))
+            try:
+                _run(committer, LIVE, _half_done, d, b"half%d" % i)
+            except FsError:
+                pass
+            if i % 3 == 0:
+                _run(committer, LIVE, lambda live, i=i: live.destroy(
+                    live.unlink(d, b"f%d" % i)[0]))
+        assert committer._deferred_buckets.before        # deferred, not yet folded
+        epoch_before = live_epoch[0]
+
+        def snapshot(txn):
+            snap = snapshots.create(txn, store.db, "s1")
+            live_epoch[0] = store.live_epoch(txn)
+            return snap
+        _run(committer, TXN, snapshot)                    # commits (folds) first
+        assert live_epoch[0] == epoch_before + 1
+        _run(committer, LIVE, lambda live: live.create(d, b"after", stat.S_IFREG, 0, 0))
+        _run(committer, SYNC)
+    finally:
+        committer.stop()
+    with store.read() as txn:
+        for epoch in (epoch_before, live_epoch[0]):
+            assert buckets.at(txn, store.db, epoch, store.bucket_count) == \
+                buckets.compute(txn, store.db, epoch, store.bucket_count)
+        assert any(b != buckets.ZERO for b in buckets.at(txn, store.db, live_epoch[0],
+                                                          store.bucket_count))
+    store.close()
+    fsck_clean(path)
