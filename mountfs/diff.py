@@ -13,7 +13,9 @@ The report follows HDFS snapshot diffs (HDFS-7535, HDFS-8828, DistCp -diff):
 * a rename is recognised by inode identity: each inode record names one of its locations,
   so where an inode went is O(depth) to find, at any depth and across directories;
 * a new name for an inode that existed at FROM (a hard link) is a CREATE with ``link``, the
-  TO path of a name it already had.
+  TO path of a name it already had; an inode created in the interval with several names is
+  a CREATE at the location its record names and a CREATE with ``link`` to that for each
+  other name the report lists.
 
 Entries stream out one by one (a directory's own entry before its children's), so memory is
 bounded by the depth of the tree, whatever the size of the diff.
@@ -209,12 +211,20 @@ class Differ:
         old, new = self.old.inode(x), self.new.get(x)
         self.touched_inodes.add(x)
         if old is None:
-            yield Entry(CREATE, path, type_name(new.mode), x, size=_file_size(new))
+            yield Entry(CREATE, path, type_name(new.mode), x, size=_file_size(new),
+                        link=self._first_name(x, new, d, name))
         elif (new.parent, new.name) != (d, name) or not self._moved(x, old, new):
             yield Entry(CREATE, path, type_name(new.mode), x,
                         link=self._existing_name(x, old, new, d, name))
             yield from self._modify(x, old, new, path)
         # else: the arriving end of a rename, reported from its source
+
+    def _first_name(self, x: int, new: S.Inode, d: int, name: bytes) -> str | None:
+        """For a name of an inode created in the interval: None if d/name is where its
+        record locates it (that name is created first), else that location's TO path."""
+        if new.nlink <= 1 or stat.S_ISDIR(new.mode) or (new.parent, new.name) == (d, name):
+            return None
+        return _join(self.new_path(new.parent), new.name)
 
     def _moved(self, x: int, old: S.Inode, new: S.Inode) -> bool:
         """Whether the inode left its FROM location for a TO location it did not have."""
@@ -306,13 +316,14 @@ def application_order(entries) -> list[Entry]:
     1. deletes and renames, by FROM path in reverse order, so descendants leave before their
        ancestors (each moves to a staging area; deletes never come back);
     2. renames out of the staging area, by TO path ascending, so parents arrive first;
-    3. creates and modifies, by TO path ascending (a created directory before its contents,
-       an inode's first name before another name linked to it).
+    3. creates by TO path ascending (a created directory before its contents), then creates
+       that link a name to one already there (its target may sort after it, or lie in a
+       directory created in step 3), then modifies (every path they name exists by then).
     """
     entries = list(entries)
     phase1 = sorted((e for e in entries if e.op in (DELETE, RENAME)),
                     key=lambda e: e.path.split("/"), reverse=True)
     phase2 = sorted((e for e in entries if e.op == RENAME), key=lambda e: e.to.split("/"))
     phase3 = sorted((e for e in entries if e.op in (CREATE, MODIFY)),
-                    key=lambda e: (e.path.split("/"), e.link is not None, e.op == MODIFY))
+                    key=lambda e: (e.op == MODIFY, e.link is not None, e.path.split("/")))
     return phase1 + phase2 + phase3

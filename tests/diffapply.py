@@ -98,8 +98,19 @@ def _create(e: Entry, copy: Path, to_root: Path, inodes_at_to: dict) -> None:
     if e.type == "dir":
         dst.mkdir(exist_ok=True)                      # a rename may have made it already
         _fill_created_dir(src, dst, inodes_at_to, copy)
-    else:
+    elif not _linked_to_placed(src, dst, inodes_at_to, copy):
         _copy_one(src, dst)
+
+
+def _linked_to_placed(src: Path, dst: Path, inodes_at_to: dict, copy: Path) -> bool:
+    """Link ``dst`` to a name of the same TO file already in the copy (one a created
+    directory brought, which the report implies); whether there was one."""
+    st = os.lstat(src)
+    other = [p for p in inodes_at_to.get(st.st_ino, []) if os.path.lexists(copy / p)]
+    if not (stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and other):
+        return False
+    os.link(copy / other[0], dst)
+    return True
 
 
 def _fill_created_dir(src: Path, dst: Path, inodes_at_to: dict, copy: Path) -> None:
@@ -109,12 +120,9 @@ def _fill_created_dir(src: Path, dst: Path, inodes_at_to: dict, copy: Path) -> N
         s, d = src / name, dst / name
         if os.path.lexists(d):
             continue
-        st = os.lstat(s)
-        other = [p for p in inodes_at_to.get(st.st_ino, []) if os.path.lexists(copy / p)]
-        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and other:
-            os.link(copy / other[0], d)
+        if _linked_to_placed(s, d, inodes_at_to, copy):
             continue
-        if stat.S_ISDIR(st.st_mode):
+        if stat.S_ISDIR(os.lstat(s).st_mode):
             d.mkdir()
             _fill_created_dir(s, d, inodes_at_to, copy)
             _copy_attributes(s, d)

@@ -347,6 +347,36 @@ def test_links_symlinks_specials_xattr_and_mode_changes(case):
         "./sym": "symlink", "./fifo": "fifo", "./null": "chardev", "./p2": "file"}
 
 
+def test_a_file_created_with_several_names(case):
+    """An inode born in the interval with several names: one CREATE where its record
+    locates it (the name linked last), a CREATE with ``link`` to that for each other listed
+    name, also when the link's path sorts first or the first name is inside a directory
+    created alongside (whose contents the report implies); a consumer that places an
+    implied name by its inode links it too. Found by the diff property (two copies)."""
+    def setup(r):
+        (r / "old").write_text("o")
+
+    def change(r):
+        (r / "m").write_text("three names")
+        os.link(r / "m", r / "z")
+        os.link(r / "m", r / "a")                   # the record's location: sorts first
+        (r / "b").write_text("inside")
+        (r / "adir").mkdir()
+        os.link(r / "b", r / "adir/f")              # the record's: inside a created dir
+        (r / "cdir").mkdir()
+        (r / "cdir/f").write_text("implied")
+        os.link(r / "cdir/f", r / "c")              # the record's: after an implied name
+    entries = case.build(setup, change)
+    by_path = {case.rel(e["path"]): e for e in entries}
+    assert {p: case.rel(e["link"]) if e.get("link") else None
+            for p, e in by_path.items() if e["op"] == "create"} == {
+        "./a": None, "./m": "./a", "./z": "./a", "./adir": None, "./b": "./adir/f",
+        "./cdir": None, "./c": None}
+    stats = case.m.snapctl("diff", case.s1, case.s2, "--stat", "--json").stdout
+    assert json.loads(stats)["create"]["file_size_change"] == \
+        len("three names") + len("inside") + 2 * len("implied")    # cdir/f and c: 2 entries
+
+
 def snapshot_writes(r, snapshot, snap):
     """Every way to change something under .snapshot (each must fail): ``snapshot`` is the
     snapshot's root, ``snap`` the case's directory in it, ``r`` the live one."""
