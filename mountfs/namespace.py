@@ -170,7 +170,15 @@ class Live(View):
     # ---- mepoch propagation ----------------------------------------------------------------
 
     def save(self, ino: int, rec: S.Inode) -> S.Inode:
-        """Store a new live version of an inode and propagate its change to the root."""
+        """Store a new live version of an inode and propagate its change to the root.
+        ``rec`` is evolved from the inode's current record. When that already carries the
+        live epoch, its change was propagated when it got it, and whatever changed since
+        propagated itself (a new link logs its name and saves its new parent): a file saved
+        five times in an epoch walks to the root once. Writers that give a record the live
+        epoch without propagating (rollback, a mirror's apply) propagate afterwards."""
+        if rec.mepoch == self.live:
+            put_live(self.txn, self.db["inodes"], S.inode_key(ino), rec.pack(), self.live)
+            return rec
         rec = rec.evolve(mepoch=self.live)
         put_live(self.txn, self.db["inodes"], S.inode_key(ino), rec.pack(), self.live)
         self.propagate(ino)
