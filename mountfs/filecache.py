@@ -259,8 +259,11 @@ class FileCache:
             of.error = e.errno
 
     async def flush(self, of: OpenFile) -> None:
-        """Commit every dirty chunk and the file's size and mtime."""
-        await self.flush_chunks(of, sorted(of.dirty), final=True)
+        """Commit every dirty chunk and the file's size and mtime. Nothing dirty and no
+        mtime to save (tar's second and third SETATTR, the FLUSH and RELEASE after them):
+        nothing to wait for either, since chunks being committed stay dirty until saved."""
+        if of.dirty or of.mtime_ns is not None or not of.opens:
+            await self.flush_chunks(of, sorted(of.dirty), final=True)
         if of.error is not None:
             err, of.error = of.error, None
             raise FsError(err)
