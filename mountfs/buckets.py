@@ -60,15 +60,25 @@ def changed(txn, db, base: bytes, old, new, live: int) -> None:
     """Item ``base`` of table ``db`` went from ``old`` to ``new`` (None: absent) in the live
     epoch: fold the difference into its bucket."""
     kind, bdb, count = _tracked[db]
-    delta = ZERO
+    delta = _delta(kind, base, old, new)
+    if delta:
+        _xor_into(txn, bdb, bucket_key(bucket_of(base, count)), delta, live)
+
+
+def _delta(kind: bytes, base: bytes, old, new) -> int:
+    """What an item going from ``old`` to ``new`` (None: absent) XORs into its bucket."""
+    delta = 0
     if old is not None:
-        delta = item_hash(kind, base, old)
+        delta = int.from_bytes(item_hash(kind, base, old), "little")
     if new is not None:
-        delta = xor(delta, item_hash(kind, base, new))
-    if delta == ZERO:
-        return
-    key = bucket_key(bucket_of(base, count))
-    txn.put(key + S.inv(live), xor(read(txn, bdb, key, live), delta), db=bdb)
+        delta ^= int.from_bytes(item_hash(kind, base, new), "little")
+    return delta
+
+
+def _xor_into(txn, bdb, key: bytes, delta: int, live: int) -> None:
+    """Fold ``delta`` into bucket ``key``'s live version."""
+    txn.put(key + S.inv(live), xor(read(txn, bdb, key, live), delta.to_bytes(32, "little")),
+            db=bdb)
 
 
 class Deferred:
@@ -94,9 +104,18 @@ class Deferred:
         transaction itself, before it commits)."""
         from .store import get_at
         before, self.before = self.before, {}
+        deltas: dict = {}                   # (buckets db, bucket key) -> XOR of its changes
         for (db, base), old in before.items():
             new = get_at(txn, db, base, live)
-            changed(txn, db, base, old, bytes(new) if new is not None else None, live)
+            new = bytes(new) if new is not None else None
+            if new == old:
+                continue
+            kind, bdb, count = _tracked[db]
+            where = (bdb, bucket_key(bucket_of(base, count)))
+            deltas[where] = deltas.get(where, 0) ^ _delta(kind, base, old, new)
+        for (bdb, key), delta in deltas.items():
+            if delta:
+                _xor_into(txn, bdb, key, delta, live)
 
 
 def bucket_key(bucket: int) -> bytes:

@@ -82,6 +82,32 @@ class DirtyChunk:
         self.ranges = merged
 
 
+class CommitLock:
+    """Serialises the commits of one file. Unlike trio.Lock, taking it when free costs no
+    checkpoint and no parking-lot bookkeeping: it is taken on every close and attribute
+    change of a written file (a trio.Lock was a tenth of the trio thread's time in a git
+    checkout). A release wakes every waiter; each tries again (barging is fine: all that
+    matters is that two commits of one file never overlap)."""
+    __slots__ = ("held", "waiters")
+
+    def __init__(self):
+        self.held = False
+        self.waiters: list[trio.Event] = []
+
+    async def __aenter__(self) -> None:
+        while self.held:
+            woken = trio.Event()
+            self.waiters.append(woken)
+            await woken.wait()
+        self.held = True
+
+    async def __aexit__(self, *exc) -> None:
+        self.held = False
+        waiters, self.waiters = self.waiters, []
+        for woken in waiters:
+            woken.set()
+
+
 class OpenFile:
     """Per-inode write state, shared by every handle open on the inode."""
 
@@ -91,7 +117,7 @@ class OpenFile:
         self.mtime_ns: int | None = None      # set when a write changed the file
         self.dirty: dict[int, DirtyChunk] = {}
         self.opens = 0
-        self.lock = trio.Lock()
+        self.lock = CommitLock()
         self.error: int | None = None         # a failed background flush, reported once
 
 
