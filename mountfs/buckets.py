@@ -10,7 +10,8 @@ The buckets are versioned records like the items (one version per epoch), so eve
 has its bucket hashes for free and a snapshot stays O(1). ``store.put_live`` and
 ``store.delete_live`` (the only writers of versioned items) keep them current through
 ``changed``, at once or, in a transaction that defers them (the mount's open
-transaction), through ``Deferred`` when it commits; ``compute`` recomputes them from the items themselves (fsck, verify --full).
+transaction), through ``Deferred`` when it commits; ``compute`` recomputes them from the
+items themselves (fsck, verify --full).
 
 An item's hash leaves out what legitimately differs between a source and its mirror: the
 ``mepoch`` of an inode record (each store counts its own epochs).

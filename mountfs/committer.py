@@ -285,8 +285,7 @@ class Committer:
         txn, steps, txn_no = self._txn, self._steps, self._txn_no
         self._txn, self._steps, self._bytes = None, [], 0
         try:
-            self._deferred_buckets.fold(txn, self._live_epoch())
-            self.store.commit(txn)
+            self.store.commit(txn, self._fold_buckets)
         except BaseException as e:
             error = FsError(errno.ENOSPC, str(e)) if isinstance(e, StoreFull) else e
             lost = [s for s in steps
@@ -303,6 +302,9 @@ class Committer:
                 self._reply(s)
         self._tell_ran()
         self._committed(len(steps), txn_no)
+
+    def _fold_buckets(self, txn) -> None:
+        self._deferred_buckets.fold(txn, self._live_epoch())
 
     def _lose(self, answered: int, error: BaseException) -> None:
         """Changes already answered could not be made: from now on refuse every change."""

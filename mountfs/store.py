@@ -203,10 +203,13 @@ class Store:
             with self.env.begin(write=True, buffers=True) as txn:
                 yield txn
 
-    def commit(self, txn: lmdb.Transaction) -> None:
+    def commit(self, txn: lmdb.Transaction, last_writes=None) -> None:
         """Commit a write transaction begun with ``env.begin`` (the mount's committer keeps
-        one open across calls), with the errors of ``write``."""
+        one open across calls), with the errors of ``write``; ``last_writes(txn)`` first,
+        under the same errors (the bucket hashes it deferred)."""
         with self._write_errors():
+            if last_writes is not None:
+                last_writes(txn)
             txn.commit()
 
     def free_bytes(self) -> int:
