@@ -172,21 +172,27 @@ def main(argv=None) -> int:
     p.add_argument("--creates", type=int, default=10000, help="files the create loop makes")
     p.add_argument("--size", type=B.parse_size, default=1 << 30,
                    help="the sequentially written file (default 1G)")
+    p.add_argument("--only", action="append", choices=["git", "creates", "seq"],
+                   help="run only these workloads (repeatable; default all three)")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("bench_cpu.py needs root (it drops the page cache)")
     with B.Workdir(args.workdir, "bench-cpu") as work:
         print(B.machine_info(work.path), flush=True)
-        repo, a, b = B.synthetic_repo(work, args.files)
-        report(f"git checkout A->B of a {args.files:,}-file repository + sync",
-               [one_run(work, f"git{n}", git_checkout(repo, a, b))
-                for n in range(args.repeat)])
-        report(f"{args.creates:,} creates of 1 KiB files in one directory",
-               [one_run(work, f"cr{n}", creates(args.creates, 1024))
-                for n in range(args.repeat)])
-        report(f"sequential write of {args.size // B.MiB:,} MiB + fsync",
-               [one_run(work, f"seq{n}", seq_write(args.size), shm_store=True)
-                for n in range(args.repeat)], args.size)
+        only = set(args.only or ["git", "creates", "seq"])
+        if "git" in only:
+            repo, a, b = B.synthetic_repo(work, args.files)
+            report(f"git checkout A->B of a {args.files:,}-file repository + sync",
+                   [one_run(work, f"git{n}", git_checkout(repo, a, b))
+                    for n in range(args.repeat)])
+        if "creates" in only:
+            report(f"{args.creates:,} creates of 1 KiB files in one directory",
+                   [one_run(work, f"cr{n}", creates(args.creates, 1024))
+                    for n in range(args.repeat)])
+        if "seq" in only:
+            report(f"sequential write of {args.size // B.MiB:,} MiB + fsync",
+                   [one_run(work, f"seq{n}", seq_write(args.size), shm_store=True)
+                    for n in range(args.repeat)], args.size)
     return 0
 
 
