@@ -70,6 +70,8 @@ class Entry:
     def text(self) -> str:
         if self.op == RENAME:
             return f"R {self.path} -> {self.to}"
+        if self.link is not None:
+            return f"+ {self.path} (hard link to {self.link})"
         return f"{SYMBOL[self.op]} {self.path}"
 
     def to_json(self) -> dict:

@@ -208,6 +208,7 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
 
     \b
     + ./path          created (a new directory's contents are implied)
+    + ./b (hard link to ./a)  a new name of the file at ./a
     - ./path          deleted (FROM path)
     R ./old -> ./new  renamed (the same inode; old is a FROM path)
     M ./path          content or attributes changed
@@ -260,19 +261,21 @@ def _print_stat(entries, before, after, as_json: bool) -> None:
     """Per kind of change: entries, the bytes of the chunks written (whole chunks: what a
     mirror may need), and how file sizes changed. ``before`` and ``after`` are Views of
     FROM and TO: the old size of a modified file, and the files inside a created or deleted
-    directory (implied by its one entry, counted here)."""
+    directory (implied by its one entry, counted here). A file with several names counts
+    once, whether its names are entries or lie inside a created or deleted directory."""
     ops = ("create", "delete", "rename", "modify")
     counts, written, grown = dict.fromkeys(ops, 0), dict.fromkeys(ops, 0), dict.fromkeys(ops, 0)
+    counted = {"create": set(), "delete": set()}      # file inodes whose size is in the sums
     for e in entries:
         counts[e.op] += 1
         if e.link is not None:
             continue                                  # another name: no data of its own
         if e.op == "create":
-            size = _tree_size(after, e.ino) if e.type == "dir" else e.size or 0
+            size = _size_once(after, e, counted[e.op])
             written[e.op] += size
             grown[e.op] += size
         elif e.op == "delete":
-            grown[e.op] -= _tree_size(before, e.ino) if e.type == "dir" else e.size or 0
+            grown[e.op] -= _size_once(before, e, counted[e.op])
         elif e.op == "modify" and e.type == "file":
             written[e.op] += sum(c.length for c in e.chunks or ())
             grown[e.op] += (e.size or 0) - before.get(e.ino).size
@@ -286,17 +289,23 @@ def _print_stat(entries, before, after, as_json: bool) -> None:
         click.echo(f"{op:<8} {counts[op]:>10} {written[op]:>20} {grown[op]:>+17}")
 
 
-def _tree_size(view, top: int) -> int:
-    """Bytes of the regular files under directory ``top`` (each inode once)."""
+def _size_once(view, e, counted: set) -> int:
+    """Bytes of entry ``e``'s file, or of the regular files under it if it is a directory,
+    leaving out the inodes in ``counted`` (and adding the rest to it)."""
+    if e.type != "dir":
+        if e.ino in counted:
+            return 0
+        counted.add(e.ino)
+        return e.size or 0
     import stat
-    total, seen, todo = 0, set(), [top]
+    total, todo = 0, [e.ino]
     while todo:
         for _, child in view.listdir(todo.pop()):
             rec = view.get(child)
             if stat.S_ISDIR(rec.mode):
                 todo.append(child)
-            elif stat.S_ISREG(rec.mode) and child not in seen:
-                seen.add(child)
+            elif stat.S_ISREG(rec.mode) and child not in counted:
+                counted.add(child)
                 total += rec.size
     return total
 

@@ -374,7 +374,32 @@ def test_a_file_created_with_several_names(case):
         "./cdir": None, "./c": None}
     stats = case.m.snapctl("diff", case.s1, case.s2, "--stat", "--json").stdout
     assert json.loads(stats)["create"]["file_size_change"] == \
-        len("three names") + len("inside") + 2 * len("implied")    # cdir/f and c: 2 entries
+        len("three names") + len("inside") + len("implied")   # each file once, however named
+    text = case.m.snapctl("diff", case.s1, case.s2).stdout.splitlines()
+    p = case.prefix
+    assert {f"+ {p}/m (hard link to {p}/a)", f"+ {p}/b (hard link to {p}/adir/f)",
+            f"+ {p}/c"} <= set(text)
+
+
+def test_stat_counts_a_deleted_file_once_however_named(case):
+    """--stat's size change counts a deleted file once: its two names both DELETE entries,
+    or one of them inside a deleted directory."""
+    def setup(r):
+        (r / "h").write_text("twelve bytes")
+        os.link(r / "h", r / "h2")
+        (r / "d").mkdir()
+        (r / "d/f").write_text("five!")
+        os.link(r / "d/f", r / "g")
+
+    def change(r):
+        for name in ("h", "h2", "g", "d/f"):
+            os.unlink(r / name)
+        os.rmdir(r / "d")
+    entries = case.build(setup, change)
+    assert sorted(case.rel(e["path"]) for e in entries if e["op"] == "delete") == \
+        ["./d", "./g", "./h", "./h2"]
+    stats = case.m.snapctl("diff", case.s1, case.s2, "--stat", "--json").stdout
+    assert json.loads(stats)["delete"]["file_size_change"] == -len("twelve bytes") - len("five!")
 
 
 def snapshot_writes(r, snapshot, snap):
