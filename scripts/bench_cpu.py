@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -132,14 +133,18 @@ def one_run(work_dir: B.Workdir, label: str, workload, shm_store: bool = False) 
     if shm_store:
         stores["mount, store in /dev/shm"] = Path("/dev/shm") / f"{work_dir.path.name}-{label}"
     for name, store in stores.items():
-        if store is not None:
-            B.mkfs(store)
-        m = B.MountedStore(work_dir, label + str(len(out)), store=store)
         try:
-            target = prepare(m.mnt, m.remount)
-            out[name] = measured(m.pid(), lambda: work(target))
+            if store is not None:
+                B.mkfs(store)
+            m = B.MountedStore(work_dir, label + str(len(out)), store=store)
+            try:
+                target = prepare(m.mnt, m.remount)
+                out[name] = measured(m.pid(), lambda: work(target))
+            finally:
+                m.close()
         finally:
-            m.close()
+            if store is not None:           # outside the work directory: ours to remove
+                shutil.rmtree(store, ignore_errors=True)
     return out
 
 
