@@ -35,6 +35,7 @@ import hmac
 import io
 import json
 import logging
+import signal
 import struct
 from dataclasses import dataclass
 
@@ -473,5 +474,14 @@ async def serve(store: Store, token: str, listen: str, certfile: str | None = No
     # keep_alive_timeout all the same, and a slow body by Receiver.body's rate.
     config.read_timeout = None
     app = make_app(Receiver(store, token, admin_token, limits))
-    await hypercorn_serve(app, config, shutdown_trigger=trio.sleep_forever,
-                          task_status=task_status)
+    await hypercorn_serve(app, config, shutdown_trigger=_terminated, task_status=task_status)
+
+
+async def _terminated() -> None:
+    """Returns on SIGTERM (systemd's stop, kill): the server then stops as on Ctrl-C, letting
+    requests in progress finish for a moment and closing the store, also when the shell
+    that started it in the background made it ignore SIGINT."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            log.info("SIGTERM: stopping")
+            return

@@ -229,8 +229,10 @@ class Receiver:
         self.proc.wait()
 
     def stop(self) -> None:
+        """SIGTERM, the server's stop signal (SIGINT does nothing when whoever started the
+        suite ran it as a background job of a script: the shell makes it ignored)."""
         if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:

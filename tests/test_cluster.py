@@ -238,7 +238,7 @@ class NsReceiver:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGTERM)   # see conftest.Receiver.stop
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,6 +79,28 @@ def test_malformed_requests_are_refused(receiver):
     res = httpx.post(r.url + "/v1/commit", headers=auth,
                      content=__import__("zstandard").ZstdCompressor().compress(b"{}"))
     assert res.status_code == 400 and "malformed" in res.json()["error"]
+
+
+def test_sigterm_stops_the_receiver_cleanly_with_a_request_in_flight(receiver, tmp_path):
+    """SIGTERM (systemd's stop) ends serve-mirror as Ctrl-C does: a request still arriving
+    is given a moment, the store is closed (exit 0, the lock released, fsck clean). Also
+    when it was started ignoring SIGINT (a background job of a script), where SIGTERM used
+    to kill it outright and Ctrl-C did nothing."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)       # inherited by the server
+    try:
+        r = receiver()
+    finally:
+        signal.signal(signal.SIGINT, old)
+    with socket.create_connection(("127.0.0.1", r.port)) as s:
+        s.sendall(f"POST /v1/chunks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}"
+                  f"\r\nContent-Length: 100000\r\n\r\n".encode() + b"x" * 1000)
+        time.sleep(0.5)
+        r.proc.send_signal(signal.SIGTERM)
+        assert r.proc.wait(timeout=60) == 0, r.log()
+    assert "SIGTERM: stopping" in r.log() and "Traceback" not in r.log()
+    fsck = subprocess.run([sys.executable, "-m", "cmdline.mountfs", "fsck", str(r.store)],
+                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
 
 
 def test_receiver_killed_mid_transfer_then_resumed(mounted, receiver, tmp_path):
