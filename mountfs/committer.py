@@ -9,7 +9,9 @@ COMMIT_DELAY after it began, and at once when a caller needs durability (fsync, 
 unmount). LMDB ties a write transaction to the thread that began it, hence one thread.
 
 Rules (the engine keeps them):
-* steps run in submission order, so a crash keeps a prefix of the calls that returned;
+* changes run in submission order, so a crash keeps a prefix of the calls that returned
+  (a ``LOOK`` may also see changes posted after it was submitted: they were answered
+  before it was);
 * a change not yet committed is seen only inside the open transaction: each live step
   reports what it wrote as *marks* (an inode's records, a directory entry, a directory's
   listing), and the trio thread reads anything marked by an uncommitted step through
@@ -24,11 +26,17 @@ Rules (the engine keeps them):
   fsck read committed epochs);
 * a *posted* step (Engine.post) is answered before it runs, by a caller that knows its
   outcome; if it fails all the same, that too is an answered change lost: the committer
-  refuses every later step.
+  refuses every later step;
+* posted steps wait in a batch that does not wake this thread (``Committer.post``): they
+  run together COMMIT_DELAY after the first, or before the next step somebody waits for,
+  and commit by that deadline. Waking the thread per step cost the two threads a GIL
+  hand-off each time (futex wake-ups, context switches): on a git checkout the serving
+  thread's CPU fell by a fifth and the committer's by a third without them.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -81,6 +89,8 @@ class Step:
         self.txn_no = 0             # the transaction a live step ran in
         self.predicted: dict = {}   # a posted step: the records its caller answered with
 
+
+_WAKE = Step("wake")     # a posted step is waiting (Committer.post)
 
 INO_TABLES = ("inodes", "chunks", "xattrs", "parents", "orphans")   # keys begin with an inode
 
@@ -138,6 +148,9 @@ class Committer:
         self._committed = committed
         self._on_ran = ran
         self._ran: list[Step] = []
+        self._posted: collections.deque = collections.deque()     # appended by the trio thread
+        self._woken = False         # a _WAKE is queued or the batch's clock runs
+        self._batch_deadline: float | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._txn: lmdb.Transaction | None = None
         self._deferred_buckets = buckets.Deferred()      # the open transaction's
@@ -154,6 +167,16 @@ class Committer:
 
     def put(self, step: Step) -> None:
         self._queue.put(step)
+
+    def post(self, step: Step) -> None:
+        """Queue a posted step (nobody waits for it) without waking the committer for it:
+        posted steps run in a batch when the batch's time is up or before the next step
+        somebody waits for. Only the first of a batch wakes the thread (to start the
+        batch's clock)."""
+        self._posted.append(step)
+        if not self._woken:
+            self._woken = True
+            self._queue.put(_WAKE)
 
     def answers_early(self) -> bool:
         """Whether live steps are answered before their commit: enough free disk when the
@@ -173,27 +196,48 @@ class Committer:
         while True:
             if self._ran and self._queue.empty():
                 self._tell_ran()
-            timeout = None if self._txn is None else max(0.0, self._deadline - time.monotonic())
+            deadlines = [d for d in (self._deadline if self._txn is not None else None,
+                                     self._batch_deadline) if d is not None]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             try:
                 step = self._queue.get(timeout=timeout)
-            except queue.Empty:
+            except queue.Empty:             # a batch's or the transaction's time is up
+                self._run_posted()
                 self._commit()
                 continue
+            if step is _WAKE:
+                if self._batch_deadline is None:
+                    self._batch_deadline = time.monotonic() + COMMIT_DELAY
+                continue
+            self._run_posted()
             if step is None:
                 self._commit()
                 self._tell_ran()
                 return
-            try:
-                self._serve(step)
-            except BaseException as e:        # a bug here must not hang the callers
-                log.exception("the committer failed serving a %s step", step.kind)
-                step.error = step.error or e
-                if step.posted is not None:
-                    self._lose(1, e)
-                self._reply(step)
-                if step.kind == LIVE and step not in self._steps:
-                    self._tell_ran()
-                    self._committed(1, 0)       # counted as pending: never will be
+            self._serve_safely(step)
+
+    def _run_posted(self) -> None:
+        """Run the posted steps queued so far, in the order they were posted; they commit
+        by the batch's deadline (5 ms after its first step woke the thread)."""
+        deadline, self._batch_deadline = self._batch_deadline, None
+        self._woken = False             # before draining: a step posted from now on
+        while self._posted:             # is either drained here or wakes the thread
+            self._serve_safely(self._posted.popleft())
+        if deadline is not None and self._txn is not None and deadline < self._deadline:
+            self._deadline = deadline
+
+    def _serve_safely(self, step: Step) -> None:
+        try:
+            self._serve(step)
+        except BaseException as e:        # a bug here must not hang the callers
+            log.exception("the committer failed serving a %s step", step.kind)
+            step.error = step.error or e
+            if step.posted is not None:
+                self._lose(1, e)
+            self._reply(step)
+            if step.kind == LIVE and step not in self._steps:
+                self._tell_ran()
+                self._committed(1, 0)       # counted as pending: never will be
 
     def _serve(self, step: Step) -> None:
         if step.kind == LOOK:

@@ -223,7 +223,7 @@ class Engine:
             self._posted[mark] = self._posted.get(mark, 0) + 1
             self._records.pop(mark, None)
         self._records.update(step.predicted)
-        self._committer.put(step)
+        self._committer.post(step)
 
     async def mutate_in_thread(self, fn, *args):
         """Run ``fn(txn, *args)`` in a transaction of its own, committed before it returns

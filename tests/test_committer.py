@@ -1,7 +1,8 @@
 """The committer thread on a real store (no mount): bucket hashes are folded in once per
 transaction (buckets.Deferred), and must still equal those recomputed from the items after
 many writes of the same items in one transaction, steps that fail half-way (their nested
-transaction is aborted), and a transaction whose commit is followed by a snapshot."""
+transaction is aborted), and a transaction whose commit is followed by a snapshot; posted
+steps wait in a batch and still run in order and commit on their own."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from conftest import cli, fsck_clean
 from mountfs import buckets, snapshots
 from mountfs import schema as S
 from mountfs.committer import LIVE, SYNC, TXN, Committer, Step
-from mountfs.namespace import FsError
+from mountfs.namespace import FsError, View
 from mountfs.store import Store
 
 
@@ -79,5 +80,40 @@ def test_buckets_folded_per_transaction_match_the_items(tmp_path, monkeypatch):
                 buckets.compute(txn, store.db, epoch, store.bucket_count)
         assert any(b != buckets.ZERO for b in buckets.at(txn, store.db, live_epoch[0],
                                                           store.bucket_count))
+    store.close()
+    fsck_clean(path)
+
+
+def test_posted_steps_wait_in_a_batch_then_run_in_order_and_commit_on_their_own(tmp_path):
+    """Posted steps do not wake the committer one by one (Committer.post): the batch runs
+    by its own deadline with nothing else arriving, and commits; a step somebody waits for
+    runs after every step posted before it."""
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path)
+    with store.read() as txn:
+        epoch = store.live_epoch(txn)
+    committed, ran = queue.SimpleQueue(), []
+    committer = Committer(store, lambda: epoch, lambda n, txn_no: committed.put(n),
+                          ran.extend)
+    committer.start()
+
+    def post(name: bytes) -> Step:
+        step = Step(LIVE, lambda live: live.create(S.ROOT_INO, name, stat.S_IFREG, 0, 0),
+                    posted=set())
+        committer.post(step)
+        return step
+    try:
+        steps = [post(b"f%d" % i) for i in range(50)]
+        assert committed.get(timeout=30) == 50          # one commit, by the batch's timer
+        assert ran == steps and all(s.error is None for s in steps)
+        with store.read() as txn:
+            view = View(txn, store.db, epoch, store.chunk_size)
+            assert all(view.lookup(S.ROOT_INO, b"f%d" % i) for i in range(50))
+        late = post(b"late")
+        seen = _run(committer, LIVE, lambda live: live.lookup(S.ROOT_INO, b"late"))
+        assert seen is not None and late.error is None  # the posted step ran first
+    finally:
+        committer.stop()
     store.close()
     fsck_clean(path)
