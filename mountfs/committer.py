@@ -28,8 +28,8 @@ Rules (the engine keeps them):
   outcome; if it fails all the same, that too is an answered change lost: the committer
   refuses every later step;
 * posted steps wait in a batch that does not wake this thread (``Committer.post``): they
-  run together COMMIT_DELAY after the first, or before the next step somebody waits for,
-  and commit by that deadline. Waking the thread per step cost the two threads a GIL
+  run together COMMIT_DELAY after the first, before the next step somebody waits for, or
+  once BATCH_STEPS wait, and commit by that deadline. Waking the thread per step cost the two threads a GIL
   hand-off each time (futex wake-ups, context switches): on a git checkout the serving
   thread's CPU fell by a fifth and the committer's by a third without them.
 """
@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 COMMIT_DELAY = float(os.environ.get("MOUNTFS_COMMIT_DELAY", "0.005"))
 TXN_BYTES = 32 << 20        # chunk data that makes a transaction commit early
 TXN_STEPS = 5000            # steps that make a transaction commit early
+BATCH_STEPS = 256           # posted steps that make their batch run early (Committer.post)
 DEFER_MARGIN = 256 << 20    # less free disk than this: every step waits for its commit
 
 LIVE, TXN, COMMIT, SYNC, LOOK = "live", "txn", "commit", "sync", "look"
@@ -90,7 +91,8 @@ class Step:
         self.predicted: dict = {}   # a posted step: the records its caller answered with
 
 
-_WAKE = Step("wake")     # a posted step is waiting (Committer.post)
+_WAKE = Step("wake")            # a posted step is waiting (Committer.post)
+_RUN_NOW = Step("run posted")   # BATCH_STEPS of them are
 
 INO_TABLES = ("inodes", "chunks", "xattrs", "parents", "orphans")   # keys begin with an inode
 
@@ -150,6 +152,7 @@ class Committer:
         self._ran: list[Step] = []
         self._posted: collections.deque = collections.deque()     # appended by the trio thread
         self._woken = False         # a _WAKE is queued or the batch's clock runs
+        self._run_now_sent = False  # a _RUN_NOW is queued
         self._batch_deadline: float | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._txn: lmdb.Transaction | None = None
@@ -170,13 +173,16 @@ class Committer:
 
     def post(self, step: Step) -> None:
         """Queue a posted step (nobody waits for it) without waking the committer for it:
-        posted steps run in a batch when the batch's time is up or before the next step
-        somebody waits for. Only the first of a batch wakes the thread (to start the
-        batch's clock)."""
+        posted steps run in a batch when the batch's time is up, before the next step
+        somebody waits for, or once BATCH_STEPS wait. Only the first of a batch wakes the
+        thread (to start the batch's clock)."""
         self._posted.append(step)
         if not self._woken:
             self._woken = True
             self._queue.put(_WAKE)
+        elif len(self._posted) >= BATCH_STEPS and not self._run_now_sent:
+            self._run_now_sent = True       # bounds what waits in memory, whatever the delay
+            self._queue.put(_RUN_NOW)
 
     def answers_early(self) -> bool:
         """Whether live steps are answered before their commit: enough free disk when the
@@ -210,6 +216,8 @@ class Committer:
                     self._batch_deadline = time.monotonic() + COMMIT_DELAY
                 continue
             self._run_posted()
+            if step is _RUN_NOW:
+                continue
             if step is None:
                 self._commit()
                 self._tell_ran()
@@ -220,8 +228,8 @@ class Committer:
         """Run the posted steps queued so far, in the order they were posted; they commit
         by the batch's deadline (5 ms after its first step woke the thread)."""
         deadline, self._batch_deadline = self._batch_deadline, None
-        self._woken = False             # before draining: a step posted from now on
-        while self._posted:             # is either drained here or wakes the thread
+        self._woken = self._run_now_sent = False    # before draining: a step posted from
+        while self._posted:                         # now on is drained or wakes the thread
             self._serve_safely(self._posted.popleft())
         if deadline is not None and self._txn is not None and deadline < self._deadline:
             self._deadline = deadline

@@ -9,13 +9,14 @@ from __future__ import annotations
 import errno
 import queue
 import stat
+import time
 
 import pytest
 
 from conftest import cli, fsck_clean
 from mountfs import buckets, snapshots
 from mountfs import schema as S
-from mountfs.committer import LIVE, SYNC, TXN, Committer, Step
+from mountfs.committer import BATCH_STEPS, LIVE, SYNC, TXN, Committer, Step
 from mountfs.namespace import FsError, View
 from mountfs.store import Store
 
@@ -115,5 +116,35 @@ def test_posted_steps_wait_in_a_batch_then_run_in_order_and_commit_on_their_own(
         assert seen is not None and late.error is None  # the posted step ran first
     finally:
         committer.stop()
+    store.close()
+    fsck_clean(path)
+
+
+def test_a_batch_of_posted_steps_is_bounded_whatever_the_commit_delay(tmp_path, monkeypatch):
+    """With a long commit delay (MOUNTFS_COMMIT_DELAY) posted steps must not pile up in
+    memory until it ends: BATCH_STEPS of them make the batch run."""
+    monkeypatch.setattr("mountfs.committer.COMMIT_DELAY", 3600.0)
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path)
+    with store.read() as txn:
+        epoch = store.live_epoch(txn)
+    ran: list = []
+    committer = Committer(store, lambda: epoch, lambda n, txn_no: None, ran.extend)
+    committer.start()
+    try:
+        for i in range(2 * BATCH_STEPS + 10):
+            committer.post(Step(LIVE, lambda live, i=i: live.create(
+                S.ROOT_INO, b"f%d" % i, stat.S_IFREG, 0, 0), posted=set()))
+        deadline = time.monotonic() + 60
+        while len(ran) < 2 * BATCH_STEPS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(ran) >= 2 * BATCH_STEPS and not any(s.error for s in ran)
+        assert len(committer._posted) <= BATCH_STEPS
+    finally:
+        committer.stop()                        # runs and commits the rest
+    with store.read() as txn:
+        view = View(txn, store.db, epoch, store.chunk_size)
+        assert view.lookup(S.ROOT_INO, b"f%d" % (2 * BATCH_STEPS + 9))
     store.close()
     fsck_clean(path)
