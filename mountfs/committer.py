@@ -29,9 +29,10 @@ Rules (the engine keeps them):
   refuses every later step;
 * posted steps wait in a batch that does not wake this thread (``Committer.post``): they
   run together COMMIT_DELAY after the first, before the next step somebody waits for, or
-  once BATCH_STEPS wait, and commit by that deadline. Waking the thread per step cost the two threads a GIL
-  hand-off each time (futex wake-ups, context switches): on a git checkout the serving
-  thread's CPU fell by a fifth and the committer's by a third without them.
+  once BATCH_STEPS wait, and commit by that deadline. Waking the thread per step cost the
+  two threads a GIL hand-off each time (futex wake-ups, context switches): on a git
+  checkout the serving thread's CPU fell by a fifth and the committer's by a third
+  without them.
 """
 
 from __future__ import annotations
