@@ -72,13 +72,7 @@ def measured(pid: int, work) -> dict:
 
 def git_checkout(repo: Path, a: str, b: str):
     def prepare(root: Path, remount) -> Path:
-        clone = root / "repo"
-        B.run("cp", "-a", repo, clone)
-        B.run("git", "-C", clone, "checkout", "-qf", a)
-        if remount:
-            remount()
-        B.drop_caches()
-        return clone
+        return B.checkout_clone(repo, a, root, remount)
 
     def work(clone: Path) -> None:
         B.run("git", "-C", clone, "checkout", "-q", b)

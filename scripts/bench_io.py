@@ -513,14 +513,21 @@ def synthetic_repo(work: Workdir, files: int) -> tuple[Path, str, str]:
     return repo, "A", "B"
 
 
+def checkout_clone(repo: Path, a: str, root: Path, remount) -> Path:
+    """A copy of ``repo`` under ``root`` checked out at ``a``, with every cache cold (the
+    mount remounted when ``remount`` is given, the page cache dropped)."""
+    clone = root / "repo"
+    run("cp", "-a", repo, clone)
+    run("git", "-C", clone, "checkout", "-qf", a)
+    if remount:
+        remount()
+    drop_caches()
+    return clone
+
+
 def checkout(repo: Path, a: str, b: str):
     def measure(root: Path, remount) -> dict:
-        clone = root / "repo"
-        run("cp", "-a", repo, clone)
-        run("git", "-C", clone, "checkout", "-qf", a)
-        if remount:
-            remount()
-        drop_caches()
+        clone = checkout_clone(repo, a, root, remount)
         t0 = time.perf_counter()
         run("git", "-C", clone, "checkout", "-q", b)
         os.sync()
