@@ -23,7 +23,8 @@ import trio
 from . import gc, snapshots
 from . import schema as S
 from .committer import COMMIT, LIVE, LOOK, SYNC, TXN, Committer, Step
-from .filecache import FileCache
+from .filecache import INLINE_HASH, FileCache
+from .mapread import resident
 from .namespace import FsError, View
 from .store import Store
 
@@ -37,6 +38,16 @@ POSTED_BYTES = 8 << 20  # chunk data posted and not yet applied, at most: past i
                         # (and buffered data stays within filecache's bound)
 GC_GATHER = 1.0     # s: the collector waits this long after a wake-up, so that the deletes
                     # of a second share its batches (each batch is a commit of its own)
+
+
+_IN_A_THREAD = object()     # Engine.verify: the chunks are to be checked in a worker thread
+
+
+def _cheap_to_hash(blobs: list) -> bool:
+    """Whether checking these blobs on the serving thread costs microseconds: few bytes,
+    all in memory (a missing blob needs no hashing to be reported)."""
+    present = [blob for blob in blobs if blob is not None]
+    return sum(map(len, present)) <= INLINE_HASH and all(map(resident, present))
 
 
 class Engine:
@@ -78,18 +89,30 @@ class Engine:
 
     async def verify(self, epoch: int | None, ino: int, off: int, size: int) -> None:
         """Check the chunks under [off, off + size) of ``ino`` as of ``epoch`` against their
-        digests before they are first served (hashing in a worker thread); a mismatch is EIO,
-        never wrong data. Checked digests are remembered. The chunk map and the data are read
-        in one transaction: a chunk rewritten meanwhile is checked as it is now, so a blob
-        missing here is missing from a map that names it, which only corruption does."""
-        def check(v):
+        digests before they are first served; a mismatch is EIO, never wrong data. Checked
+        digests are remembered. The chunk map and the data are read in one transaction: a
+        chunk rewritten meanwhile is checked as it is now, so a blob missing here is missing
+        from a map that names it, which only corruption does.
+
+        Where: on this thread when the chunks are small (INLINE_HASH) and in memory
+        (``mapread.resident``), else in a worker thread, which may wait for the disk. This
+        thread then waits at most for a blob's first page, as for any metadata read (LMDB
+        reads it to learn the length; the page cache reads around it). A first read of a
+        small file (git's loose objects, a source tree) so costs no thread hop: a git
+        checkout made 838 such round trips (docs/benchmarks.md, eighth round)."""
+        def check(v, inline: bool):
             digests = self.unverified(v, ino, off, size)
-            for digest in digests:
-                data = v.txn.get(digest, db=self.db["blobs"])
+            blobs = [v.txn.get(digest, db=self.db["blobs"]) for digest in digests]
+            if inline and not _cheap_to_hash(blobs):
+                return _IN_A_THREAD, digests
+            for digest, data in zip(digests, blobs):
                 if data is None or blake3.blake3(data).digest() != digest:
                     return digest, digests
             return None, digests
-        bad, digests = await self.look(check, epoch, io=True, marks=(ino,))
+        bad, digests = await self.look(lambda v: check(v, True), epoch, marks=(ino,))
+        if bad is _IN_A_THREAD:
+            bad, digests = await self.look(lambda v: check(v, False), epoch, io=True,
+                                           marks=(ino,))
         if bad is not None:
             log.error("chunk %s is corrupt or missing in the store; run 'mountfs fsck'",
                       bad.hex())

@@ -34,6 +34,7 @@ DIRTY_LIMIT = _dirty_limit()
 DIRTY_EXPIRE = float(os.environ.get("MOUNTFS_DIRTY_EXPIRE", "30"))
 HASH_THREADS = trio.CapacityLimiter(2)
 INLINE_HASH = 64 << 10          # hashing this much takes microseconds: less than a thread hop
+                                # (a commit here; a first read in Engine.verify)
 STEP_BYTES = 64 << 20           # chunk data committed in one step (one transaction) at most
 
 

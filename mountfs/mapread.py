@@ -1,4 +1,5 @@
-"""Copying large values out of a store mapped without readahead.
+"""Where a value read with ``buffers=True`` lies in LMDB's map: copying large values out of a
+store mapped without readahead, and telling whether a value is in memory.
 
 Replication opens stores without readahead: its metadata reads are random B-tree pages
 that readahead would each inflate to ~128 KiB (a 1M-file source and receiver thrashed a
@@ -8,6 +9,9 @@ separate 4 KiB disk reads (~65 MiB/s here, against ~900 MiB/s with readahead; as
 the pages with MADV_WILLNEED did not help). ``MapReader`` reads a large value with one
 pread(2) of the data file at the value's place in the map instead: the file's own
 readahead applies, and the page cache is the one LMDB maps, so the bytes are the same.
+
+``resident`` asks mincore(2) whether every page of a value is in the page cache: the mount
+checks a small chunk on its serving thread only then, so that the disk is not waited for there.
 """
 
 from __future__ import annotations
@@ -41,6 +45,27 @@ def _address(value: memoryview) -> int:
         return view.buf
     finally:
         _release_buffer(ctypes.byref(view))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_mincore = _libc.mincore
+_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident(value) -> bool:
+    """Whether every page of ``value`` is in memory, so that reading it waits for no disk:
+    a memoryview into a map (``buffers=True``) is asked of mincore(2); anything else has
+    been copied into memory already. False when the kernel will not say."""
+    if not isinstance(value, memoryview) or not len(value):
+        return True
+    address = _address(value)
+    start = address & ~(PAGE - 1)
+    length = address + len(value) - start
+    pages = ctypes.create_string_buffer(-(-length // PAGE))
+    if _mincore(start, length, pages) != 0:
+        return False
+    return all(flags & 1 for flags in pages.raw)
 
 
 def _map_base(data_file: str) -> int | None:

@@ -205,9 +205,11 @@ def test_a_full_disk_reaches_the_writer_and_loses_nothing(small_disk, make_mount
 
 # ---- corruption -------------------------------------------------------------------------------
 
-def test_a_corrupt_chunk_is_found_by_fsck_and_never_served(make_mount):
+@pytest.mark.parametrize("size", [20_000, 300_000], ids=["small: checked inline",
+                                                       "large: checked in a thread"])
+def test_a_corrupt_chunk_is_found_by_fsck_and_never_served(make_mount, size):
     m = make_mount()
-    bad, good = os.urandom(300_000), os.urandom(200_000)
+    bad, good = os.urandom(size), os.urandom(200_000)
     (m.mnt / "bad").write_bytes(bad)
     (m.mnt / "good").write_bytes(good)
     m.snapctl("create", "s")

@@ -1,14 +1,19 @@
 """A store opened without readahead copies large values with one pread at their place in
 the map (mountfs.mapread): the bytes must be exactly what LMDB maps, for every size, after
-the file grew, with the page cache dropped, and while a writer rewrites the store."""
+the file grew, with the page cache dropped, and while a writer rewrites the store. And
+``resident`` tells a value in memory from one the disk must give first (the mount checks a
+small chunk on its serving thread only in the first case)."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
 
-from mountfs.mapread import LARGE
+import pytest
+
+from mountfs.mapread import LARGE, PAGE, resident
 from mountfs.store import Store
 
 
@@ -78,3 +83,38 @@ def test_a_store_with_readahead_copies_from_the_map(tmp_path):
                 assert store.copy(txn.get(key, db=store.db["blobs"])) == value
     finally:
         store.close()
+
+
+def test_resident_tells_touched_pages_from_untouched_ones():
+    region = mmap.mmap(-1, 16 * PAGE)       # anonymous: no page is there until touched
+    view = memoryview(region)
+    try:
+        assert not resident(view) and not resident(view[:PAGE])
+        region[PAGE] = 1
+        assert resident(view[PAGE:2 * PAGE]) and resident(view[PAGE + 10:PAGE + 20])
+        assert not resident(view[PAGE:2 * PAGE + 1])    # one byte on an untouched page
+        assert resident(b"copied values are in memory") and resident(view[:0])
+    finally:
+        view.release()
+        region.close()
+
+
+def test_resident_says_whether_a_mapped_file_must_be_read_from_disk_first(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("dropping the page cache needs root")
+    path = tmp_path / "data"
+    path.write_bytes(os.urandom(64 * PAGE))
+    drop_caches()
+    with open(path, "rb") as f:
+        region = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    region.madvise(mmap.MADV_RANDOM)        # a fault reads its own page, no neighbours
+    view = memoryview(region)
+    try:
+        value = view[40 * PAGE + 100:40 * PAGE + 200]
+        assert not resident(value) and not resident(view)
+        assert region[40 * PAGE + 150] is not None         # read: the page comes in
+        assert resident(value) and not resident(view[39 * PAGE:41 * PAGE])
+    finally:
+        value.release()
+        view.release()
+        region.close()
