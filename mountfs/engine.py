@@ -162,7 +162,7 @@ class Engine:
         """The live record of ``ino`` if it is known without asking the committer: the
         committed one, or the one the last uncommitted change wrote (or, posted, will
         write); None if only the committer knows it."""
-        if self._uncommitted and self.dirty(ino):
+        if self._uncommitted and (ino in self._dirty or ino in self._posted):    # dirty()
             raw = self._records.get(ino)
             return None if raw is None else S.Inode.unpack(raw)
         return self._look_now(lambda v: v.get(ino), None)

@@ -189,10 +189,11 @@ class Store:
 
     # ---- transactions --------------------------------------------------------------------
 
-    @contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
-        with self.env.begin(buffers=True) as txn:
-            yield txn
+    def read(self) -> lmdb.Transaction:
+        """A read transaction, for a ``with`` block (which ends it). LMDB's own transaction
+        is the context manager: a generator-based one cost five Python calls per read, and
+        the mount makes one read per getattr or lookup (docs/benchmarks.md, eighth round)."""
+        return self.env.begin(buffers=True)
 
     @contextmanager
     def write(self) -> Iterator[lmdb.Transaction]:
