@@ -43,11 +43,10 @@ GC_GATHER = 1.0     # s: the collector waits this long after a wake-up, so that 
 _IN_A_THREAD = object()     # Engine.verify: the chunks are to be checked in a worker thread
 
 
-def _cheap_to_hash(blobs: list) -> bool:
-    """Whether checking these blobs on the serving thread costs microseconds: few bytes,
-    all in memory (a missing blob needs no hashing to be reported)."""
-    present = [blob for blob in blobs if blob is not None]
-    return sum(map(len, present)) <= INLINE_HASH and all(map(resident, present))
+def _in_memory(blobs: list) -> bool:
+    """Whether every page of these blobs is in the page cache (a missing blob needs no
+    reading to be reported)."""
+    return all(resident(blob) for blob in blobs if blob is not None)
 
 
 class Engine:
@@ -78,13 +77,13 @@ class Engine:
 
     VERIFIED_CACHE = 1 << 16
 
-    def unverified(self, view: View, ino: int, off: int, size: int) -> list[bytes]:
-        """Digests of the stored chunks under [off, off + size) not yet checked."""
+    def unverified(self, view: View, ino: int, off: int, size: int) -> list[tuple[bytes, int]]:
+        """(digest, length) of the stored chunks under [off, off + size) not yet checked."""
         cs, out = self.chunk_size, []
         for idx in range(off // cs, (off + max(size, 1) - 1) // cs + 1):
             c = view.chunk(ino, idx)
-            if c is not None and bytes(c[0]) not in self._verified:
-                out.append(bytes(c[0]))
+            if c is not None and c[0] not in self._verified:
+                out.append(c)
         return out
 
     async def verify(self, epoch: int | None, ino: int, off: int, size: int) -> None:
@@ -94,16 +93,20 @@ class Engine:
         chunk rewritten meanwhile is checked as it is now, so a blob missing here is missing
         from a map that names it, which only corruption does.
 
-        Where: on this thread when the chunks are small (INLINE_HASH) and in memory
-        (``mapread.resident``), else in a worker thread, which may wait for the disk. This
-        thread then waits at most for a blob's first page, as for any metadata read (LMDB
-        reads it to learn the length; the page cache reads around it). A first read of a
-        small file (git's loose objects, a source tree) so costs no thread hop: a git
-        checkout made 838 such round trips (docs/benchmarks.md, eighth round)."""
+        Where: on this thread when the chunks are small (INLINE_HASH, by the lengths the
+        chunk map records) and in memory (``mapread.resident``), else in a worker thread,
+        which may wait for the disk. This thread then waits at most for a small blob's first
+        page, as for any metadata read (LMDB reads it to learn the value's length; the page
+        cache reads around it). A first read of a small file (git's loose objects, a source
+        tree) so costs no thread hop: a git checkout made 838 such round trips
+        (docs/benchmarks.md, eighth round)."""
         def check(v, inline: bool):
-            digests = self.unverified(v, ino, off, size)
+            pending = self.unverified(v, ino, off, size)
+            digests = [digest for digest, _ in pending]
+            if inline and sum(length for _, length in pending) > INLINE_HASH:
+                return _IN_A_THREAD, digests
             blobs = [v.txn.get(digest, db=self.db["blobs"]) for digest in digests]
-            if inline and not _cheap_to_hash(blobs):
+            if inline and not _in_memory(blobs):
                 return _IN_A_THREAD, digests
             for digest, data in zip(digests, blobs):
                 if data is None or blake3.blake3(data).digest() != digest:
