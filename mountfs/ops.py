@@ -83,11 +83,18 @@ class Operations(pyfuse3.Operations):
         self.dirs: dict[int, tuple[int, list]] = {}
         self.next_fh = 1
         self.timeout = READONLY_TIMEOUT if read_only else LIVE_TIMEOUT
+        self.initialized = trio.Event()     # the kernel's INIT is answered (``init``)
         # Live inodes known to have no security.capability: the kernel asks before every
         # write (to drop capabilities), and the answer is almost always "none". Forgotten
         # on any xattr change of the inode and on a rollback or restore; a read-only mount
         # follows another writer, so it keeps no such memory.
         self.no_capability: set[int] = set()
+
+    def init(self) -> None:
+        """pyfuse3 calls this while it answers the kernel's INIT, which sets the mount's
+        readahead from the answer: what waits for ``initialized`` runs after the answer
+        (mount._raise_readahead)."""
+        self.initialized.set()
 
     # ---- inode numbers -------------------------------------------------------------------
 

@@ -7,9 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from conftest import cli, fsck_clean
 from mountfs.errors import StoreError
+from mountfs.mount import READAHEAD_KIB
 from mountfs.store import Store
 
 
@@ -112,3 +117,28 @@ def test_fsck_is_not_refused_by_processes_that_only_ask_who_holds_the_store(make
     m.mount()
     res = cli("mountfs", "fsck", m.store, check=False)        # a real holder: refused
     assert res.returncode != 0 and "in use" in res.stderr and "mounted at" in res.stderr
+
+
+def readahead_kib(mnt) -> int:
+    dev = os.stat(mnt).st_dev                   # a FUSE mount's bdi is named major:minor
+    return int(Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text())
+
+
+def test_a_mount_reads_ahead_more_than_the_kernels_128_kib(make_mount):
+    """The kernel gives a FUSE mount 128 KiB of readahead, which left a cold sequential read
+    waiting for each chunk in turn; the mount raises it once the kernel's INIT is answered
+    (set earlier, the answer lowers it again), read-only mounts too."""
+    if os.geteuid() != 0:
+        pytest.skip("the readahead is set through sysfs, which needs root")
+    a = make_mount()
+    data = os.urandom(3 << 20)
+    (a.mnt / "f").write_bytes(data)
+    b = make_mount(a.store, "--read-only")
+    for m in (a, b):
+        deadline = time.monotonic() + 10        # set by the mount just after INIT's answer
+        while readahead_kib(m.mnt) != READAHEAD_KIB and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert readahead_kib(m.mnt) == READAHEAD_KIB > 128
+    assert (a.mnt / "f").read_bytes() == data
+    b.umount()
+    a.umount()
