@@ -204,7 +204,9 @@ def test_restore_copies_no_chunk_data(fs, here):
     take(fs, "share")
     with open(big, "r+b") as f:                                  # one chunk rewritten
         f.write(b"new data")
-    wait_gc_idle(fs)
+        f.flush()
+        os.fsync(f.fileno())        # committed before used0: the new 1 MiB chunk landing
+    wait_gc_idle(fs)                # after it (within the 5 ms commit delay) read as growth
     used0 = store_used(fs)
     restore(fs, "share", rel(fs, big), "--to", rel(fs, here / "copy"))
     restore(fs, "share", rel(fs, big), "--force")
