@@ -61,9 +61,23 @@ def mounts() -> list[MountInfo]:
     return out
 
 
+def canonical(path: str) -> str:
+    """``path`` as /proc/self/mountinfo names it: absolute, its symlinks resolved (the kernel
+    mounts on a link's target). Resolution stops at a mountfs mountpoint and never looks
+    inside one, so a mount whose process is stuck or dead cannot hang or fail the caller."""
+    inside = {m.mountpoint for m in mounts()}
+    head, rest = "/", [part for part in os.path.abspath(path).split("/") if part]
+    while rest:
+        step = os.path.join(head, rest.pop(0))
+        if step in inside:                      # a mountpoint is never a symlink: it is covered
+            return os.path.join(step, *rest)
+        head = os.path.realpath(step)
+    return head
+
+
 def find_mount(path: str) -> MountInfo | None:
     """The mountfs mount holding ``path`` (the deepest one)."""
-    path = os.path.abspath(path)
+    path = canonical(path)
     best = None
     for m in mounts():
         if path == m.mountpoint or path.startswith(m.mountpoint.rstrip("/") + "/"):
@@ -122,7 +136,7 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
     from .engine import Engine
     from .ops import Operations
     from .store import Store
-    mountpoint = os.path.abspath(mountpoint)
+    mountpoint = canonical(mountpoint)
     _check_mountpoint(mountpoint)
     _keep_freed_buffers()
     sys.setswitchinterval(GIL_SWITCH)
@@ -297,7 +311,7 @@ def umount(mountpoint: str, timeout: float = 120.0) -> None:
     """Unmount, then wait until the process that served this mountpoint has flushed, closed
     the store and exited: once this returns the store is free (fsck, another mount)."""
     from .control import process_start
-    mountpoint = os.path.abspath(mountpoint)
+    mountpoint = canonical(mountpoint)
     info = next((m for m in mounts() if m.mountpoint == mountpoint), None)
     if info is None:
         raise StoreError(f"{mountpoint} is not a mountfs mount")

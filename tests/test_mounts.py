@@ -142,3 +142,31 @@ def test_a_mount_reads_ahead_more_than_the_kernels_128_kib(make_mount):
     assert (a.mnt / "f").read_bytes() == data
     b.umount()
     a.umount()
+
+
+def test_a_mountpoint_given_through_a_symlink_is_the_links_target(tmp_path, store):
+    """The kernel mounts on a symlink's target, and /proc/self/mountinfo names that: the
+    link given to mount, snapctl and umount must find the mount there (it did not: umount
+    said 'not a mountfs mount' and the readahead stayed at the kernel's 128 KiB)."""
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "real")
+    cli("mountfs", "mount", store, link)
+    try:
+        (link / "f").write_text("through the link")
+        assert os.path.ismount(tmp_path / "real")
+        cli("snapctl", "-m", link, "create", "s")
+        assert (tmp_path / "real/.snapshot/s/f").read_text() == "through the link"
+        if os.geteuid() == 0:
+            deadline = time.monotonic() + 10
+            while readahead_kib(link) != READAHEAD_KIB and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert readahead_kib(link) == READAHEAD_KIB
+            assert "not in /proc/self/mountinfo" not in log_of(store)
+    finally:
+        res = cli("mountfs", "umount", link, check=False)
+        if os.path.ismount(tmp_path / "real"):
+            subprocess.run(["fusermount3", "-uz", str(tmp_path / "real")], capture_output=True)
+    assert res.returncode == 0, res.stderr
+    assert not os.path.ismount(tmp_path / "real")
+    fsck_clean(store)
