@@ -214,13 +214,19 @@ class Live(View):
         old = self.lookup(parent, name)
         if old is not None:
             self.txn.delete(S.parents_key(old, parent, name), db=self.db["parents"])
+        self._name(parent, name, child)
+
+    def _name(self, parent: int, name: bytes, child: int) -> None:
+        """``put_dirent`` of a name known to be free."""
         put_live(self.txn, self.db["dirents"], S.dirent_key(parent, name), S.u64(child),
                  self.live)
         self.txn.put(S.parents_key(child, parent, name), b"", db=self.db["parents"])
         self.log_change(parent, name)
 
-    def delete_dirent(self, parent: int, name: bytes) -> None:
-        old = self.lookup(parent, name)
+    def delete_dirent(self, parent: int, name: bytes, old: int | None = None) -> None:
+        """Remove parent/name in the live epoch; ``old``: the inode it names, when the caller
+        has looked it up already."""
+        old = self.lookup(parent, name) if old is None else old
         if old is not None:
             self.txn.delete(S.parents_key(old, parent, name), db=self.db["parents"])
         delete_live(self.txn, self.db["dirents"], S.dirent_key(parent, name), self.live)
@@ -249,12 +255,15 @@ class Live(View):
             raise FsError(errno.ENOTDIR)
         if self.lookup(parent, name) is not None:
             raise FsError(errno.EEXIST)
-        rec, _ = created(prec, parent, name, mode, uid, gid, rdev, target, self.now)
+        rec, new_prec = created(prec, parent, name, mode, uid, gid, rdev, target, self.now)
         ino = self.reserve_inos(1)[0] if ino is None else ino
-        put_live(self.txn, self.db["inodes"], S.inode_key(ino),
-                 rec.evolve(nlink=0, parent=0, name=b"", mepoch=self.live).pack(), self.live)
-        self.add_entry(parent, name, ino)
-        return ino, self.get(ino)
+        # What add_entry would leave, written once: the name is free and the new inode
+        # needs no propagation (its name is logged, its parent saved).
+        rec = rec.evolve(mepoch=self.live)
+        put_live(self.txn, self.db["inodes"], S.inode_key(ino), rec.pack(), self.live)
+        self._name(parent, name, ino)
+        self.save(parent, new_prec)
+        return ino, rec
 
     def clone(self, rec: S.Inode) -> int:
         """A new, unlinked inode with the attributes of ``rec`` (restore copies)."""
@@ -277,12 +286,21 @@ class Live(View):
     def remove_entry(self, parent: int, name: bytes) -> tuple[int, S.Inode]:
         """Unlink parent/name; returns the child and its record after the unlink (the caller
         destroys it when its nlink is 0 and the kernel holds no reference)."""
+        child, crec = self._entry(parent, name)
+        return self._remove_entry(parent, name, child, crec)
+
+    def _entry(self, parent: int, name: bytes) -> tuple[int, S.Inode]:
+        """The inode parent/name names and its record; ENOENT if none."""
         child = self.lookup(parent, name)
         if child is None:
             raise FsError(errno.ENOENT)
-        crec = self.get(child)
+        return child, self.get(child)
+
+    def _remove_entry(self, parent: int, name: bytes, child: int, crec: S.Inode
+                      ) -> tuple[int, S.Inode]:
+        """``remove_entry`` of the entry ``_entry`` gave."""
         is_dir = stat.S_ISDIR(crec.mode)
-        self.delete_dirent(parent, name)
+        self.delete_dirent(parent, name, child)
         prec = self.get(parent)
         self.save(parent, prec.evolve(nlink=prec.nlink - (1 if is_dir else 0),
                                       mtime_ns=self.now, ctime_ns=self.now))
@@ -307,22 +325,18 @@ class Live(View):
         return self.get(ino)
 
     def unlink(self, parent: int, name: bytes) -> tuple[int, S.Inode]:
-        child = self.lookup(parent, name)
-        if child is None:
-            raise FsError(errno.ENOENT)
-        if stat.S_ISDIR(self.get(child).mode):
+        child, crec = self._entry(parent, name)
+        if stat.S_ISDIR(crec.mode):
             raise FsError(errno.EISDIR)
-        return self.remove_entry(parent, name)
+        return self._remove_entry(parent, name, child, crec)
 
     def rmdir(self, parent: int, name: bytes) -> tuple[int, S.Inode]:
-        child = self.lookup(parent, name)
-        if child is None:
-            raise FsError(errno.ENOENT)
-        if not stat.S_ISDIR(self.get(child).mode):
+        child, crec = self._entry(parent, name)
+        if not stat.S_ISDIR(crec.mode):
             raise FsError(errno.ENOTDIR)
         if not self.is_empty_dir(child):
             raise FsError(errno.ENOTEMPTY)
-        return self.remove_entry(parent, name)
+        return self._remove_entry(parent, name, child, crec)
 
     def is_ancestor(self, maybe_ancestor: int, ino: int) -> bool:
         """Whether ``maybe_ancestor`` is ``ino`` or above it (directories have one parent)."""
