@@ -66,11 +66,17 @@ def canonical(path: str) -> str:
     mounts on a link's target). Resolution stops at a mountfs mountpoint and never looks
     inside one, so a mount whose process is stuck or dead cannot hang or fail the caller."""
     inside = {m.mountpoint for m in mounts()}
-    head, rest = "/", [part for part in os.path.abspath(path).split("/") if part]
-    while rest:
-        step = os.path.join(head, rest.pop(0))
+    parts = os.path.join(os.getcwd(), path).split("/")
+    head = "/"
+    for i, part in enumerate(parts):
+        if part in ("", "."):
+            continue
+        if part == "..":                        # of the resolved directory, as the kernel does
+            head = os.path.dirname(head)
+            continue
+        step = os.path.join(head, part)
         if step in inside:                      # a mountpoint is never a symlink: it is covered
-            return os.path.join(step, *rest)
+            return os.path.normpath(os.path.join(step, *parts[i + 1:]))
         head = os.path.realpath(step)
     return head
 
@@ -311,10 +317,10 @@ def umount(mountpoint: str, timeout: float = 120.0) -> None:
     """Unmount, then wait until the process that served this mountpoint has flushed, closed
     the store and exited: once this returns the store is free (fsck, another mount)."""
     from .control import process_start
-    mountpoint = canonical(mountpoint)
+    given, mountpoint = mountpoint, canonical(mountpoint)
     info = next((m for m in mounts() if m.mountpoint == mountpoint), None)
     if info is None:
-        raise StoreError(f"{mountpoint} is not a mountfs mount")
+        raise StoreError(f"{given} is not a mountfs mount")
     server = _server(info)
     dead = False
     try:

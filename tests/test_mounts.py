@@ -5,6 +5,7 @@ and 'umount' that returns only once the store is released."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from conftest import cli, fsck_clean
 from mountfs.errors import StoreError
-from mountfs.mount import READAHEAD_KIB
+from mountfs.mount import READAHEAD_KIB, canonical, mounts
 from mountfs.store import Store
 
 
@@ -144,29 +145,76 @@ def test_a_mount_reads_ahead_more_than_the_kernels_128_kib(make_mount):
     a.umount()
 
 
-def test_a_mountpoint_given_through_a_symlink_is_the_links_target(tmp_path, store):
+@pytest.fixture
+def linked_mountpoint(tmp_path):
+    """``link``, a symlink to the directory ``real``; whatever stays mounted on ``real``
+    after the test is detached."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    yield link
+    if str(real) in {m.mountpoint for m in mounts()}:          # dead ones too
+        subprocess.run(["fusermount3", "-uz", str(real)], capture_output=True)
+
+
+def test_a_mountpoint_given_through_a_symlink_is_the_links_target(linked_mountpoint, store):
     """The kernel mounts on a symlink's target, and /proc/self/mountinfo names that: the
     link given to mount, snapctl and umount must find the mount there (it did not: umount
     said 'not a mountfs mount' and the readahead stayed at the kernel's 128 KiB)."""
-    (tmp_path / "real").mkdir()
-    link = tmp_path / "link"
-    link.symlink_to(tmp_path / "real")
+    link, real = linked_mountpoint, linked_mountpoint.resolve()
     cli("mountfs", "mount", store, link)
-    try:
-        (link / "f").write_text("through the link")
-        assert os.path.ismount(tmp_path / "real")
-        cli("snapctl", "-m", link, "create", "s")
-        assert (tmp_path / "real/.snapshot/s/f").read_text() == "through the link"
-        if os.geteuid() == 0:
-            deadline = time.monotonic() + 10
-            while readahead_kib(link) != READAHEAD_KIB and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert readahead_kib(link) == READAHEAD_KIB
-            assert "not in /proc/self/mountinfo" not in log_of(store)
-    finally:
-        res = cli("mountfs", "umount", link, check=False)
-        if os.path.ismount(tmp_path / "real"):
-            subprocess.run(["fusermount3", "-uz", str(tmp_path / "real")], capture_output=True)
-    assert res.returncode == 0, res.stderr
-    assert not os.path.ismount(tmp_path / "real")
+    (link / "f").write_text("through the link")
+    assert os.path.ismount(real)
+    cli("snapctl", "-m", link, "create", "s")
+    assert (real / ".snapshot/s/f").read_text() == "through the link"
+    if os.geteuid() == 0:
+        deadline = time.monotonic() + 10
+        while readahead_kib(link) != READAHEAD_KIB and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert readahead_kib(link) == READAHEAD_KIB
+        assert "not in /proc/self/mountinfo" not in log_of(store)
+    cli("mountfs", "umount", link)
+    assert not os.path.ismount(real)
     fsck_clean(store)
+
+
+def test_canonical_resolves_links_as_the_kernel_does(tmp_path, monkeypatch):
+    """'..' after a symlink is the parent of the link's target (as for the kernel and
+    realpath), not the link's own directory; relative paths start at the working directory."""
+    (tmp_path / "a/real/sub").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b/link").symlink_to(tmp_path / "a/real")
+    monkeypatch.chdir(tmp_path / "b")
+    assert canonical("link") == str(tmp_path / "a/real")
+    assert canonical("link/sub/./..") == str(tmp_path / "a/real")
+    assert canonical("link/..") == str(tmp_path / "a")
+    assert canonical(str(tmp_path / "b/link/sub")) == str(tmp_path / "a/real/sub")
+    assert canonical("missing/x") == str(tmp_path / "b/missing/x")
+
+
+def test_umount_through_a_symlink_detaches_a_mount_whose_process_was_killed(
+        linked_mountpoint, store):
+    """kill -9 of the mount process leaves a mount that answers ENOTCONN: 'mountfs umount'
+    (here through a symlinked mountpoint, which must not be looked up inside the dead
+    mount) detaches it, and the store mounts again."""
+    link, real = linked_mountpoint, linked_mountpoint.resolve()
+    cli("mountfs", "mount", store, link)
+    with open(link / "f", "w") as f:
+        f.write("kept")
+        f.flush()
+        os.fsync(f.fileno())                # what a kill -9 keeps (README: Guarantees)
+    pid = int((store / "lock").read_text().split()[1])
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(OSError):
+        os.stat(real)
+    cli("mountfs", "umount", link, timeout=30)
+    assert not os.path.ismount(real)
+    cli("mountfs", "mount", store, link)
+    assert (link / "f").read_text() == "kept"
+    cli("mountfs", "umount", link)
+    fsck_clean(store)
+    res = cli("mountfs", "umount", link, check=False)
+    assert res.returncode == 1 and res.stderr.strip() == f"mountfs: {link} is not a mountfs mount"
