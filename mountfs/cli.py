@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from .clitools import CONTEXT, SIZE, LazyGroup, fail, version_option
+from .clitools import CONTEXT, MOUNTPOINT, SIZE, LazyGroup, fail, version_option
 from .store import StoreError
 
 
@@ -88,7 +88,7 @@ def mount(ctx, store, mountpoint, foreground, allow_other, read_only, verbose, r
 
 
 @main.command()
-@click.argument("mountpoint", type=click.Path())
+@click.argument("mountpoint", type=MOUNTPOINT)
 @click.option("--timeout", default=120.0, show_default=True,
               help="Seconds to wait for the mount process to flush and exit.")
 def umount(mountpoint, timeout):

@@ -130,9 +130,15 @@ def _remember(key: str):
     return callback
 
 
+# A mountpoint is taken as a plain string: click.Path stats its value, and a stat of a mount
+# whose process is stopped or stuck waits forever, before the command could say anything.
+MOUNTPOINT = click.STRING
+
+
 def mountpoint_option(fn):
     """-m MOUNTPOINT after the command name too (``snapctl create -m MNT x``), like before."""
-    return click.option("-m", "--mountpoint", type=click.Path(), expose_value=False,
+    return click.option("-m", "--mountpoint", type=MOUNTPOINT, metavar="PATH",
+                        expose_value=False,
                         callback=_remember("mountpoint"),
                         help="The mounted filesystem (also accepted before the command).")(fn)
 

@@ -313,6 +313,26 @@ def _server(info: MountInfo) -> tuple[int, int | None] | None:
     return None
 
 
+def _alive(server: tuple[int, int | None] | None) -> bool:
+    """Whether the process ``_server`` named still runs (as far as this pid namespace sees)."""
+    from .control import process_start
+    if server is None:
+        return False
+    start = process_start(server[0])
+    return start is not None and (server[1] is None or start == server[1])
+
+
+def _disconnected(mountpoint: str) -> bool:
+    """Whether the mount at ``mountpoint`` lost its process (ENOTCONN). Asked only when that
+    process is not seen running: a stat of a mount whose process is stopped or stuck would
+    wait for it forever."""
+    try:
+        os.stat(mountpoint)
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+    return False
+
+
 def umount(mountpoint: str, timeout: float = 120.0) -> None:
     """Unmount, then wait until the process that served this mountpoint has flushed, closed
     the store and exited: once this returns the store is free (fsck, another mount)."""
@@ -322,11 +342,7 @@ def umount(mountpoint: str, timeout: float = 120.0) -> None:
     if info is None:
         raise StoreError(f"{given} is not a mountfs mount")
     server = _server(info)
-    dead = False
-    try:
-        os.stat(mountpoint)
-    except OSError as e:
-        dead = e.errno == errno.ENOTCONN
+    dead = not _alive(server) and _disconnected(mountpoint)
     cmd = ["fusermount3", "-u"] + (["-z"] if dead else []) + [mountpoint]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
@@ -344,4 +360,5 @@ def umount(mountpoint: str, timeout: float = 120.0) -> None:
             return
         time.sleep(0.05)
     raise StoreError(f"unmounted, but the mount process {pid} has not exited after "
-                     f"{timeout:.0f} s")
+                     f"{timeout:.0f} s: it may still be flushing (see {info.store}/mountfs.log); "
+                     f"the store is free once it exits")

@@ -18,7 +18,7 @@ import sys
 import click
 
 from . import control
-from .clitools import CONTEXT, LazyGroup, fail, target_options, version_option
+from .clitools import CONTEXT, MOUNTPOINT, LazyGroup, fail, target_options, version_option
 from .mount import find_mount
 from .errors import StoreError
 from .units import human_bytes
@@ -88,7 +88,8 @@ def run(target: Target, request: dict, offline) -> dict:
 
 
 @click.group(cls=LazyGroup, context_settings=CONTEXT)
-@click.option("-m", "--mountpoint", type=click.Path(), help="The mounted filesystem.")
+@click.option("-m", "--mountpoint", type=MOUNTPOINT, metavar="PATH",
+              help="The mounted filesystem.")
 @click.option("--store", type=click.Path(), help="A store directory (mounted or not).")
 @version_option("snapctl")
 @click.pass_context

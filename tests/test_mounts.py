@@ -218,3 +218,29 @@ def test_umount_through_a_symlink_detaches_a_mount_whose_process_was_killed(
     fsck_clean(store)
     res = cli("mountfs", "umount", link, check=False)
     assert res.returncode == 1 and res.stderr.strip() == f"mountfs: {link} is not a mountfs mount"
+
+
+def test_umount_of_a_mount_whose_process_is_stopped_returns(make_mount):
+    """A stopped (or stuck) mount process answers nothing, so any stat of its mountpoint
+    waits forever: 'mountfs umount' must not make one (click's path check and the dead-mount
+    check did). It unmounts, waits --timeout for the process and says so; the process,
+    resumed, flushes and exits."""
+    m = make_mount()
+    with open(m.mnt / "f", "w") as f:
+        f.write("flushed at the end")
+    pid = m.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        res = cli("mountfs", "umount", "--timeout", "1", m.mnt, check=False, timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert res.returncode == 1
+    assert res.stderr.startswith(f"mountfs: unmounted, but the mount process {pid} has not "
+                                 f"exited after 1 s") and len(res.stderr.splitlines()) == 1
+    assert str(m.mnt) not in {i.mountpoint for i in mounts()}
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists()
+    m.mount()
+    assert (m.mnt / "f").read_text() == "flushed at the end"
