@@ -52,7 +52,7 @@ def mkfs(store, size):
 
 @main.command()
 @click.argument("store", type=click.Path())
-@click.argument("mountpoint", type=click.Path())
+@click.argument("mountpoint", type=MOUNTPOINT)
 @click.option("--foreground", "-f", is_flag=True, help="Stay attached; log to stderr.")
 @click.option("--allow-other", is_flag=True,
               help="Let other users in (permissions are still enforced by mode bits).")

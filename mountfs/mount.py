@@ -114,6 +114,9 @@ def _set_readahead(mountpoint: str) -> None:
 
 
 def _check_mountpoint(mountpoint: str) -> None:
+    mounted = next((m for m in mounts() if m.mountpoint == mountpoint), None)
+    if mounted is not None and _alive(_server(mounted)):    # not stat'ed: it may be stuck
+        raise StoreError(f"{mountpoint} is already a mountpoint")
     try:
         st = os.stat(mountpoint)
     except FileNotFoundError:

@@ -222,18 +222,22 @@ def test_umount_through_a_symlink_detaches_a_mount_whose_process_was_killed(
 
 def test_umount_of_a_mount_whose_process_is_stopped_returns(make_mount):
     """A stopped (or stuck) mount process answers nothing, so any stat of its mountpoint
-    waits forever: 'mountfs umount' must not make one (click's path check and the dead-mount
-    check did). It unmounts, waits --timeout for the process and says so; the process,
-    resumed, flushes and exits."""
+    waits forever: 'mountfs mount' there and 'mountfs umount' must not make one (click's
+    path check and the mountpoint checks did). umount unmounts, waits --timeout for the
+    process and says so; the process, resumed, flushes and exits."""
     m = make_mount()
     with open(m.mnt / "f", "w") as f:
         f.write("flushed at the end")
+    other = m.store.parent / "other"
+    cli("mountfs", "mkfs", other)
     pid = m.pid
     os.kill(pid, signal.SIGSTOP)
     try:
+        again = cli("mountfs", "mount", other, m.mnt, check=False, timeout=60)
         res = cli("mountfs", "umount", "--timeout", "1", m.mnt, check=False, timeout=60)
     finally:
         os.kill(pid, signal.SIGCONT)
+    assert (again.returncode, again.stderr) == (1, f"mountfs: {m.mnt} is already a mountpoint\n")
     assert res.returncode == 1
     assert res.stderr.startswith(f"mountfs: unmounted, but the mount process {pid} has not "
                                  f"exited after 1 s") and len(res.stderr.splitlines()) == 1
