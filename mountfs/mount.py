@@ -66,7 +66,7 @@ def canonical(path: str) -> str:
     mounts on a link's target). Resolution stops at a mountfs mountpoint and never looks
     inside one, so a mount whose process is stuck or dead cannot hang or fail the caller."""
     inside = {m.mountpoint for m in mounts()}
-    parts = os.path.join(os.getcwd(), path).split("/")
+    parts = (path if os.path.isabs(path) else os.path.join(os.getcwd(), path)).split("/")
     head = "/"
     for i, part in enumerate(parts):
         if part in ("", "."):
