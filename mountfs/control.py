@@ -19,6 +19,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from pathlib import Path
 
 from .errors import StoreError
@@ -30,6 +31,8 @@ MAX_REQUEST = 1 << 16
 
 
 RECORD_NAME = "mount.json"
+# Seconds a client waits for an answer before it looks whether the mount process is stopped.
+STOPPED_CHECK = 1.0
 
 
 def socket_path(store: str | os.PathLike) -> Path:
@@ -66,15 +69,27 @@ def mount_dir(mountpoint: str, create: bool = False) -> Path:
     return d
 
 
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
 def process_start(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot), None if there is none: with
     the pid, it names one process even after pids wrap around. A zombie counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else int(fields[19])
+    fields = _proc_stat(pid)
+    return None if fields is None or fields[0] == "Z" else int(fields[19])
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (Ctrl-Z, SIGSTOP, a debugger): it answers nothing
+    until resumed."""
+    fields = _proc_stat(pid)
+    return fields is not None and fields[0] in ("T", "t")
 
 
 def mount_record(mountpoint: str) -> dict | None:
@@ -215,6 +230,25 @@ def _message(e: Exception) -> str:
     return str(e)
 
 
+def stopped(pid: int, store) -> ControlError:
+    return ControlError(f"the mount process {pid} serving {store} is stopped (Ctrl-Z or "
+                        f"SIGSTOP): resume it with 'kill -CONT {pid}'")
+
+
+def check_running(mountpoint: str, store) -> None:
+    """Refuse at once if the process of the mount at ``mountpoint`` is stopped: anything
+    touching the mount (a syncfs, a request) would wait for it."""
+    rec = mount_record(mountpoint)
+    if rec is not None and process_stopped(rec["pid"]):
+        raise stopped(rec["pid"], store)
+
+
+def _peer_pid(s: socket.socket) -> int:
+    """The pid of the process listening on the other end of a connected UNIX socket."""
+    creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
 def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0,
             mountpoint: str | None = None) -> dict:
     """Send one request to the mount at ``mountpoint`` (if given and recorded), else to the
@@ -223,8 +257,11 @@ def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0,
     path = Path(rec["socket"]) if rec else socket_path(store)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
+    deadline = time.monotonic() + timeout
     try:
         s.connect(str(path))
+        server = _peer_pid(s)
+        s.settimeout(min(timeout, STOPPED_CHECK))
         try:
             s.sendall(json.dumps(payload).encode() + b"\n")
         except (BrokenPipeError, ConnectionResetError):
@@ -235,6 +272,12 @@ def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0,
                 data = s.recv(1 << 16)
             except ConnectionResetError:
                 break
+            except socket.timeout:
+                if process_stopped(server):
+                    raise stopped(server, store) from None
+                if time.monotonic() >= deadline:
+                    raise
+                continue
             if not data:
                 break
             buf += data

@@ -66,8 +66,10 @@ def resolve_target(mountpoint: str | None, store: str | None) -> Target:
     return Target(info.store, info.mountpoint)
 
 
-def syncfs(path: str) -> None:
-    """Push the kernel's cached writes for the filesystem at ``path`` to the mount."""
+def syncfs(path: str, store: str) -> None:
+    """Push the kernel's cached writes for the filesystem at ``path`` to the mount (unless
+    its process is stopped: the syncfs would wait for it)."""
+    control.check_running(path, store)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         ctypes.CDLL(None, use_errno=True).syncfs(fd)
@@ -125,7 +127,7 @@ def create(ctx, name):
 def create_snapshot(target: Target, name: str) -> dict:
     """Take snapshot ``name`` (the mount checks the name; so does the offline path)."""
     if target.mountpoint:
-        syncfs(target.mountpoint)
+        syncfs(target.mountpoint, target.store)
 
     def offline(store):
         from . import gc
@@ -227,7 +229,7 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
     try:
         if to_snap == "." and where.mounted:
             if where.mountpoint:
-                syncfs(where.mountpoint)
+                syncfs(where.mountpoint, where.store)
             control.request(where.store, {"op": "flush"}, mountpoint=where.mountpoint)
         store = Store.open(where.store, readonly=True, lock=False, readahead=False)
     except StoreError as e:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, fsck_clean
-from mountfs.control import process_start
+from mountfs import control
+from mountfs.control import ControlError, process_start
 from mountfs.errors import StoreError
 from mountfs.mount import READAHEAD_KIB, canonical, mounts
 from mountfs.store import Store
@@ -224,7 +225,8 @@ def test_umount_through_a_symlink_detaches_a_mount_whose_process_was_killed(
 def test_umount_of_a_mount_whose_process_is_stopped_returns(make_mount):
     """A stopped (or stuck) mount process answers nothing, so any stat of its mountpoint
     waits forever: 'mountfs mount' there and 'mountfs umount' must not make one (click's
-    path check and the mountpoint checks did). umount unmounts, waits --timeout for the
+    path check and the mountpoint checks did), and 'snapctl create' must say the process is
+    stopped instead of waiting out its 600 s. umount unmounts, waits --timeout for the
     process and says so; the process, resumed, flushes and exits."""
     m = make_mount()
     with open(m.mnt / "f", "w") as f:
@@ -235,9 +237,15 @@ def test_umount_of_a_mount_whose_process_is_stopped_returns(make_mount):
     os.kill(pid, signal.SIGSTOP)
     try:
         again = cli("mountfs", "mount", other, m.mnt, check=False, timeout=60)
+        snap = cli("snapctl", "-m", m.mnt, "create", "s", check=False, timeout=60)
+        with pytest.raises(ControlError, match=f"mount process {pid} .* is stopped"):
+            control.request(m.store, {"op": "status"}, timeout=30)   # as mountfsd asks
         res = cli("mountfs", "umount", "--timeout", "1", m.mnt, check=False, timeout=60)
     finally:
         os.kill(pid, signal.SIGCONT)
+    assert (snap.returncode, snap.stderr) == (1, f"snapctl: the mount process {pid} serving "
+                                              f"{m.store} is stopped (Ctrl-Z or SIGSTOP): "
+                                              f"resume it with 'kill -CONT {pid}'\n")
     assert (again.returncode, again.stderr) == (1, f"mountfs: {m.mnt} is already a mountpoint\n")
     assert res.returncode == 1
     assert res.stderr.startswith(f"mountfs: unmounted, but the mount process {pid} has not "
