@@ -230,7 +230,7 @@ def _message(e: Exception) -> str:
     return str(e)
 
 
-def stopped(pid: int, store) -> ControlError:
+def _stopped_error(pid: int, store) -> ControlError:
     return ControlError(f"the mount process {pid} serving {store} is stopped (Ctrl-Z or "
                         f"SIGSTOP): resume it with 'kill -CONT {pid}'")
 
@@ -240,7 +240,7 @@ def check_running(mountpoint: str, store) -> None:
     touching the mount (a syncfs, a request) would wait for it."""
     rec = mount_record(mountpoint)
     if rec is not None and process_stopped(rec["pid"]):
-        raise stopped(rec["pid"], store)
+        raise _stopped_error(rec["pid"], store)
 
 
 def _peer_pid(s: socket.socket) -> int:
@@ -274,7 +274,7 @@ def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0,
                 break
             except socket.timeout:
                 if process_stopped(server):
-                    raise stopped(server, store) from None
+                    raise _stopped_error(server, store) from None
                 if time.monotonic() >= deadline:
                     raise
                 continue

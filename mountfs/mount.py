@@ -61,11 +61,11 @@ def mounts() -> list[MountInfo]:
     return out
 
 
-def canonical(path: str) -> str:
+def canonical(path: str, known: list[MountInfo] | None = None) -> str:
     """``path`` as /proc/self/mountinfo names it: absolute, its symlinks resolved (the kernel
     mounts on a link's target). Resolution stops at a mountfs mountpoint and never looks
     inside one, so a mount whose process is stuck or dead cannot hang or fail the caller."""
-    inside = {m.mountpoint for m in mounts()}
+    inside = {m.mountpoint for m in (mounts() if known is None else known)}
     parts = (path if os.path.isabs(path) else os.path.join(os.getcwd(), path)).split("/")
     head = "/"
     for i, part in enumerate(parts):
@@ -83,9 +83,10 @@ def canonical(path: str) -> str:
 
 def find_mount(path: str) -> MountInfo | None:
     """The mountfs mount holding ``path`` (the deepest one)."""
-    path = canonical(path)
+    known = mounts()
+    path = canonical(path, known)
     best = None
-    for m in mounts():
+    for m in known:
         if path == m.mountpoint or path.startswith(m.mountpoint.rstrip("/") + "/"):
             if best is None or len(m.mountpoint) > len(best.mountpoint):
                 best = m
@@ -339,9 +340,9 @@ def _disconnected(mountpoint: str) -> bool:
 def umount(mountpoint: str, timeout: float = 120.0) -> None:
     """Unmount, then wait until the process that served this mountpoint has flushed, closed
     the store and exited: once this returns the store is free (fsck, another mount)."""
-    from .control import process_start
-    given, mountpoint = mountpoint, canonical(mountpoint)
-    info = next((m for m in mounts() if m.mountpoint == mountpoint), None)
+    known = mounts()
+    given, mountpoint = mountpoint, canonical(mountpoint, known)
+    info = next((m for m in known if m.mountpoint == mountpoint), None)
     if info is None:
         raise StoreError(f"{given} is not a mountfs mount")
     server = _server(info)
@@ -353,15 +354,12 @@ def umount(mountpoint: str, timeout: float = 120.0) -> None:
         raise StoreError(f"cannot unmount {mountpoint}: {err}")
     if server is None:
         return
-    pid, start = server
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        now = process_start(pid)
-        gone = now is None or (start is not None and now != start)   # a zombie counts
         # The lock too: a pid seen from another pid namespace looks gone while it runs.
-        if gone and not _holds_lock(info):
+        if not _alive(server) and not _holds_lock(info):       # a zombie counts as gone
             return
         time.sleep(0.05)
-    raise StoreError(f"unmounted, but the mount process {pid} has not exited after "
+    raise StoreError(f"unmounted, but the mount process {server[0]} has not exited after "
                      f"{timeout:.0f} s: it may still be flushing (see {info.store}/mountfs.log); "
                      f"the store is free once it exits")
