@@ -95,20 +95,23 @@ def find_mount(path: str) -> MountInfo | None:
 
 async def _raise_readahead(ops: Operations, mountpoint: str) -> None:
     """Once the kernel's INIT is answered (the answer sets the readahead, lowering it to
-    what the kernel offered at mount time, 128 KiB), raise it to READAHEAD_KIB."""
+    what the kernel offered at mount time, 128 KiB), raise it to READAHEAD_KIB. The mount's
+    device is found in /proc/self/mountinfo: a stat of the mountpoint would wait for our own
+    loop."""
     await ops.initialized.wait()
-    _set_readahead(mountpoint)
-
-
-def _set_readahead(mountpoint: str) -> None:
-    """Give the mount READAHEAD_KIB of readahead (a FUSE mount's bdi is its own). Found
-    in /proc/self/mountinfo: a stat of the mountpoint would wait for our own loop."""
     devices = [m.device for m in mounts() if m.mountpoint == mountpoint]
     if not devices:
         log.info("%s is not in /proc/self/mountinfo: the kernel's readahead stays", mountpoint)
         return
+    set_readahead(devices[-1], mountpoint)
+
+
+def set_readahead(device: str, mountpoint: str) -> None:
+    """Give the FUSE mount ``device`` (MAJOR:MINOR; its bdi is its own) READAHEAD_KIB of
+    readahead. The benchmarks' floor (scripts/nullfs.py) calls it too, so that both read
+    ahead alike."""
     try:
-        Path(f"/sys/class/bdi/{devices[-1]}/read_ahead_kb").write_text(f"{READAHEAD_KIB}\n")
+        Path(f"/sys/class/bdi/{device}/read_ahead_kb").write_text(f"{READAHEAD_KIB}\n")
     except OSError as e:
         log.info("could not set the readahead of %s (%s): the kernel's default stays",
                  mountpoint, e.strerror)

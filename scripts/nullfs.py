@@ -6,8 +6,9 @@ mountfs cannot be faster than this with the same kernel options. Not part of the
     python scripts/nullfs.py MOUNTPOINT [--timeout 300] [--writeback] [--discard]
 
 Runs in the foreground until unmounted (fusermount3 -u MOUNTPOINT). The kernel-side options
-are the same knobs mountfs uses (entry/attribute timeouts, writeback cache) so that a change
-to them can be measured on both.
+are the same knobs mountfs uses (entry/attribute timeouts, writeback cache, and the 1 MiB
+readahead a mount sets once the kernel's INIT is answered, through mountfs's own
+``mount.set_readahead``) so that a change to them can be measured on both.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 
 import pyfuse3
 import trio
+
+from mountfs.mount import set_readahead
 
 
 class Node:
@@ -47,6 +50,10 @@ class NullFS(pyfuse3.Operations):
         self.nodes = {pyfuse3.ROOT_INODE: Node(pyfuse3.ROOT_INODE, stat.S_IFDIR | 0o755,
                                                os.getuid(), os.getgid())}
         self.next_ino = pyfuse3.ROOT_INODE + 1
+        self.initialized = trio.Event()
+
+    def init(self) -> None:
+        self.initialized.set()      # the INIT answer is sent: the readahead may be raised
 
     def _node(self, ino: int) -> Node:
         try:
@@ -250,6 +257,16 @@ class NullFS(pyfuse3.Operations):
         return st
 
 
+async def serve(fs: NullFS, mountpoint: str) -> None:
+    async def raise_readahead():
+        await fs.initialized.wait()     # stat in a thread: this loop answers its GETATTR
+        dev = (await trio.to_thread.run_sync(os.stat, mountpoint)).st_dev
+        set_readahead(f"{os.major(dev)}:{os.minor(dev)}", mountpoint)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(raise_readahead)
+        await pyfuse3.main()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mountpoint")
@@ -259,9 +276,10 @@ def main() -> None:
     ap.add_argument("--discard", action="store_true", help="discard data (reads give zeros)")
     args = ap.parse_args()
     fs = NullFS(args.timeout, args.writeback, args.discard)
-    pyfuse3.init(fs, args.mountpoint, ["fsname=nullfs", "default_permissions"])
+    mountpoint = os.path.realpath(args.mountpoint)     # before mounting: later it would wait
+    pyfuse3.init(fs, mountpoint, ["fsname=nullfs", "default_permissions"])   # for us
     try:
-        trio.run(pyfuse3.main)
+        trio.run(serve, fs, mountpoint)
     finally:
         pyfuse3.close(unmount=True)
 
