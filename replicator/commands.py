@@ -80,9 +80,23 @@ def open_checked_mirror(where: snapctl.Target, url: str, token_file, ca_file,
 
 
 def _new_snapshot_name() -> str:
-    """``repl-`` and the UTC time to the microsecond: two runs never pick the same name."""
+    """``repl-`` and the UTC time to the microsecond."""
     return "repl-" + datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y%m%dT%H%M%S.%fZ")
+
+
+def _take_snapshot(where) -> str:
+    """Take a snapshot named by ``_new_snapshot_name``. Runs started together can pick the
+    same microsecond (seen in the suite: two of three): the one that loses takes the next
+    name."""
+    tries = 10
+    while True:
+        try:
+            return snapctl.create_snapshot(where, _new_snapshot_name())["name"]
+        except StoreError as e:
+            tries -= 1
+            if "already exists" not in str(e) or not tries:
+                raise
 
 
 @click.command(context_settings=CONTEXT)
@@ -123,7 +137,7 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
         mirror = open_checked_mirror(where, mirror_url, token_file, ca_file)
         try:
             if name is None:
-                ours = name = snapctl.create_snapshot(where, _new_snapshot_name())["name"]
+                ours = name = _take_snapshot(where)
             try:
                 result = _cycle(where, mirror, name, force, spark_master, batch_size,
                                 spark_threshold, stall_timeout, progress)
