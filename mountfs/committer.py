@@ -1,4 +1,5 @@
-"""The one thread that writes a mounted store: group commit on a short timer.
+"""The one thread that writes a mounted store: group commit on a short timer. It runs in the
+writer process (mountfs.writer), which the mount feeds with steps.
 
 Why a thread of its own: a change that waits for its synced commit before its reply costs a
 serial workload (tar, git, cp: one call after another, nothing to group) an fdatasync per
@@ -9,13 +10,11 @@ COMMIT_DELAY after it began, and at once when a caller needs durability (fsync, 
 unmount). LMDB ties a write transaction to the thread that began it, hence one thread.
 
 Rules (the engine keeps them):
-* changes run in submission order, so a crash keeps a prefix of the calls that returned
-  (a ``LOOK`` may also see changes posted after it was submitted: they were answered
-  before it was);
+* changes run in submission order, so a crash keeps a prefix of the calls that returned;
 * a change not yet committed is seen only inside the open transaction: each live step
   reports what it wrote as *marks* (an inode's records, a directory entry, a directory's
-  listing), and the trio thread reads anything marked by an uncommitted step through
-  ``LOOK`` items (``Engine.look``), the rest from the committed tree;
+  listing), and the mount reads anything marked by an uncommitted step only once it is
+  committed (``Engine.look``), the rest from the committed tree at once;
 * below DEFER_MARGIN of free disk every step waits for its commit, so a full disk fails
   the call that caused it (ENOSPC) instead of a commit after the reply. A commit that still
   fails after replies went out loses those changes (as a crash would): the committer then
@@ -63,19 +62,22 @@ TXN_STEPS = 5000            # steps that make a transaction commit early
 BATCH_STEPS = 256           # posted steps that make their batch run early (Committer.post)
 DEFER_MARGIN = 256 << 20    # less free disk than this: every step waits for its commit
 
-LIVE, TXN, COMMIT, SYNC, LOOK = "live", "txn", "commit", "sync", "look"
+LIVE, TXN, COMMIT, SYNC = "live", "txn", "commit", "sync"
 
 
 class Step:
     """One item for the committer and, once ``done`` is called, its result or error.
 
     LIVE: ``fn(live, *args)`` in the open transaction (a nested one, so a step that raises
-    leaves no trace); TXN: ``fn(txn, *args)`` in a transaction of its own (snapshots, GC,
-    rollback: cursors over the tables they change), committed before the reply; COMMIT and
-    SYNC: commit what is open (SYNC also syncs LMDB's meta page); LOOK: ``fn(txn)`` reading
-    the open transaction, or a read transaction when nothing is open."""
+    leaves no trace); TXN: ``fn(txn, dbs, *args)`` in a transaction of its own (snapshots,
+    GC, rollback: cursors over the tables they change), committed before the reply; COMMIT
+    and SYNC: commit what is open (SYNC also syncs LMDB's meta page).
+
+    Steps are data, since they go to another process (mountfs.writer): a module-level
+    function and plain arguments, with plain results and errors; never a closure over the
+    caller's state."""
     __slots__ = ("kind", "fn", "args", "nbytes", "posted", "result", "error", "replied",
-                 "done", "marks", "records", "predicted", "txn_no")
+                 "done", "marks", "records", "predicted", "txn_no", "live", "seq")
 
     def __init__(self, kind: str, fn=None, args=(), nbytes: int = 0, posted=None,
                  done=None):
@@ -90,6 +92,8 @@ class Step:
                                     # None: gone); (directory, name) -> the inode (0: none)
         self.txn_no = 0             # the transaction a live step ran in
         self.predicted: dict = {}   # a posted step: the records its caller answered with
+        self.live = 0               # a TXN step: the live epoch it left
+        self.seq = 0                # its number between the mount and the writer process
 
 
 _WAKE = Step("wake")            # a posted step is waiting (Committer.post)
@@ -138,9 +142,9 @@ class _Recorder:
 
 
 class Committer:
-    def __init__(self, store: Store, live_epoch, committed, ran):
-        """``live_epoch()``: the epoch live steps write (read in this thread, changed only by
-        TXN steps, which also run here). ``committed(n, txn_no)``: called (in this thread)
+    def __init__(self, store: Store, live_epoch: int, committed, ran):
+        """``live_epoch``: the epoch live steps write (a TXN step may move it on; the new
+        one is the step's ``live``). ``committed(n, txn_no)``: called (in this thread)
         after each commit with the number of live steps in it and the transaction's
         number. ``ran(steps)``: posted steps that have run, told in batches (nobody waits
         for them) but always before any later reply or commit is."""
@@ -249,9 +253,7 @@ class Committer:
                 self._committed(1, 0)       # counted as pending: never will be
 
     def _serve(self, step: Step) -> None:
-        if step.kind == LOOK:
-            self._look(step)
-        elif self.failed is not None:
+        if self.failed is not None:
             step.error = FsError(errno.EIO, f"an earlier commit failed ({self.failed}); "
                                             f"remount the filesystem")
             self._reply(step)
@@ -267,17 +269,6 @@ class Committer:
             elif step.kind == SYNC and self.failed is None:
                 self.store.sync()
             self._reply(step)
-
-    def _look(self, step: Step) -> None:
-        try:
-            if self._txn is not None:
-                step.result = step.fn(self._txn)
-            else:
-                with self.store.read() as txn:
-                    step.result = step.fn(txn)
-        except Exception as e:
-            step.error = e
-        self._reply(step)
 
     def _live(self, step: Step) -> None:
         if self._txn is None:
@@ -304,7 +295,7 @@ class Committer:
         try:
             with self.store.env.begin(write=True, parent=self._txn, buffers=True) as child:
                 recorder = _Recorder(child, self._deferred_buckets)
-                step.result = step.fn(Live(recorder, self.store.db, self._live_epoch(),
+                step.result = step.fn(Live(recorder, self.store.db, self._live_epoch,
                                            self.store.chunk_size), *step.args)
             self._note_writes(step, recorder.writes)
         except lmdb.MapFullError as e:
@@ -325,7 +316,8 @@ class Committer:
     def _own_transaction(self, step: Step) -> None:
         try:
             with self.store.write() as txn:
-                step.result = step.fn(txn, *step.args)
+                step.result = step.fn(txn, self.store.db, *step.args)
+                step.live = self._live_epoch = self.store.live_epoch(txn)
         except StoreFull as e:
             step.error = FsError(errno.ENOSPC, str(e))
         except Exception as e:
@@ -357,7 +349,7 @@ class Committer:
         self._committed(len(steps), txn_no)
 
     def _fold_buckets(self, txn) -> None:
-        self._deferred_buckets.fold(txn, self._live_epoch())
+        self._deferred_buckets.fold(txn, self._live_epoch)
 
     def _lose(self, answered: int, error: BaseException) -> None:
         """Changes already answered could not be made: from now on refuse every change."""

@@ -211,8 +211,9 @@ class ControlServer:
             await self.ops.invalidate(done.inodes, done.entries)
             return {"ok": True, "changed_inodes": len(done.inodes)}
         if op == "restore":
-            top, copied, _orphans = await engine.restore_path(
-                req["name"], req["path"], req["dest"], bool(req.get("force")), self.ops._is_open)
+            top, copied, orphans = await engine.restore_path(
+                req["name"], req["path"], req["dest"], bool(req.get("force")))
+            await self.ops.reap(orphans)
             parent = os.path.dirname(os.path.normpath("/" + req["dest"]))
             pino = await engine.look(lambda v: v.resolve(parent))
             await self.ops.invalidate([pino], [(pino, os.path.basename(

@@ -2,13 +2,13 @@
 file cache, snapshots, and the background tasks (syncer, garbage collector).
 
 Concurrency rule (see docs/architecture.md): every change is a step for the committer
-(mountfs.committer), the one thread that writes the store: a step is applied to the open
-write transaction and answered at once; the transaction is committed within
-COMMIT_DELAY, and at once for fsync, a snapshot or unmount. Reads are short LMDB read
-transactions on the trio thread (microseconds), except reads of what an uncommitted change
-wrote (its marks): those go through the committer (``look``), so a caller always reads
-what the calls answered before it made. Step functions run in the committer's thread: they may
-read trio-side state but must not change it.
+(mountfs.committer), the one thread that writes the store, in the writer process
+(mountfs.writer): a step is applied to the open write transaction and answered at once;
+the transaction is committed within COMMIT_DELAY, and at once for fsync, a snapshot or
+unmount. Reads are short LMDB read transactions on the trio thread (microseconds); a read of
+what an uncommitted change wrote (its marks) first has the writer commit (``look``), so a
+caller always reads what the calls answered before it made. Steps are data (a module-level
+function and plain arguments): they run in another process.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import trio
 
 from . import gc, snapshots
 from . import schema as S
-from .committer import COMMIT, LIVE, LOOK, SYNC, TXN, Committer, Step
+from .committer import COMMIT, LIVE, SYNC, TXN, Step
 from .filecache import INLINE_HASH, FileCache
 from .mapread import resident
-from .namespace import FsError, View
+from .namespace import FsError, Live, View
 from .store import Store
+from .writer import WriterProcess
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,12 @@ class Engine:
         self._inflight = 0                          # awaited changes sent, not answered
         self._posted_bytes = 0                      # chunk data of posted steps not yet run
         self._inos = range(0)                       # reserved numbers for posted creates
-        self._committer = Committer(store, lambda: self.live, self._on_commit,
-                                    self._on_ran)
+        with store.read() as txn:
+            self.live = store.live_epoch(txn)       # a TXN step's reply moves it on
+        self._committer = None if store.readonly else \
+            WriterProcess(store, self._on_commit, self._on_ran)
         self._token: trio.lowlevel.TrioToken | None = None
         self.files = FileCache(self)
-        with store.read() as txn:
-            self.live = store.live_epoch(txn)
         self._unsynced = False
         self._gc_wakeup = trio.Event()
         self._verified: OrderedDict[bytes, None] = OrderedDict()   # digests checked once
@@ -129,13 +130,16 @@ class Engine:
     # ---- transactions ----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the committer (in trio: its replies are delivered to this loop)."""
+        """Start the writer process (in trio: its replies are delivered to this loop). A
+        read-only mount has none."""
         self._token = trio.lowlevel.current_trio_token()
-        self._committer.start()
+        if self._committer is not None:
+            self._committer.start()
 
     def close(self) -> None:
-        """Commit what is open and stop the committer (idempotent; outside trio too)."""
-        self._committer.stop()
+        """Commit what is open and stop the writer (idempotent; outside trio too)."""
+        if self._committer is not None:
+            self._committer.stop()
 
     def _view(self, txn, epoch: int | None) -> View:
         if epoch is None:
@@ -173,13 +177,15 @@ class Engine:
     async def look(self, fn, epoch: int | None = None, io: bool = False, marks=None):
         """``fn(view)`` of the tree at ``epoch`` (None: live), as the calls answered so far
         left it. ``marks``: everything ``fn`` reads of the live tree (None: unknown). If an
-        uncommitted change wrote any of it, the committer runs ``fn`` in its open
-        transaction; otherwise it runs here on the committed tree, or in a worker thread
-        with ``io`` (reads that may wait for the disk, such as whole chunks). ``fn`` must
-        not touch trio state."""
-        if epoch is None and self._uncommitted and (
+        uncommitted change wrote any of it, the writer commits first (its open transaction
+        is its own: LMDB's readers see committed ones only); it is rare, since what a change
+        wrote is mostly answered from its records (``known_inode``, ``known_entry``). Then
+        ``fn`` runs here on the committed tree, or in a worker thread with ``io`` (reads
+        that may wait for the disk, such as whole chunks). ``fn`` must not touch trio
+        state."""
+        if epoch is None and self._uncommitted and self._committer.failed is None and (
                 marks is None or any(map(self.dirty, marks))):
-            return await self._submit(Step(LOOK, lambda txn: fn(self._view(txn, None))))
+            await self._submit(Step(COMMIT))
         if io:
             return await trio.to_thread.run_sync(self._look_now, fn, epoch)
         return self._look_now(fn, epoch)
@@ -193,7 +199,6 @@ class Engine:
         thread); returns its result once applied: committed within COMMIT_DELAY, durable
         once synced. ``nbytes``: chunk data it writes (bounds a transaction). A step that
         raises leaves no trace (it runs in a nested transaction)."""
-        self._uncommitted += 1
         return await self._submit(Step(LIVE, fn, args, nbytes))
 
     def known_entry(self, parent: int, name: bytes) -> tuple[bool, int | None]:
@@ -214,7 +219,7 @@ class Engine:
 
     async def reserve_inos(self) -> None:
         """Reserve the next block of inode numbers (one awaited step per INO_BLOCK)."""
-        self._inos = await self.mutate(lambda live: live.reserve_inos(INO_BLOCK))
+        self._inos = await self.mutate(Live.reserve_inos, INO_BLOCK)
 
     def can_post(self, nbytes: int = 0) -> bool:
         """Whether a change (writing ``nbytes`` of chunk data) may be answered before it is
@@ -222,7 +227,8 @@ class Engine:
         knows of the tree is what the committer will have when it reaches the posted
         step; the committer answers before commits (enough free disk, no failed commit);
         and the posted steps' data stays within POSTED_BYTES."""
-        return not self._inflight and self._committer.answers_early() and \
+        return not self._inflight and self._committer is not None and \
+            self._committer.answers_early() and \
             (not nbytes or self._posted_bytes + nbytes <= POSTED_BYTES)
 
     def post(self, fn, *args, marks, records: dict | None = None, nbytes: int = 0) -> None:
@@ -243,17 +249,17 @@ class Engine:
         for key, value in (records or {}).items():     # first: a record that cannot be
             step.predicted[key] = value.evolve(mepoch=self.live).pack() \
                 if isinstance(value, S.Inode) else value   # packed leaves nothing counted
+        self._committer.post(step)     # first: a step that is not data goes no further
         self._uncommitted += 1
         self._posted_bytes += nbytes
         for mark in marks:
             self._posted[mark] = self._posted.get(mark, 0) + 1
             self._records.pop(mark, None)
         self._records.update(step.predicted)
-        self._committer.post(step)
 
     async def mutate_in_thread(self, fn, *args):
-        """Run ``fn(txn, *args)`` in a transaction of its own, committed before it returns
-        (for big work: snapshots, rollback, restore, GC batches)."""
+        """Run ``fn(txn, dbs, *args)`` in a transaction of its own, committed before it
+        returns (for big work: snapshots, rollback, restore, GC batches)."""
         return await self._submit(Step(TXN, fn, args))
 
     async def commit(self) -> None:
@@ -273,9 +279,10 @@ class Engine:
         finished = trio.Event()
         token = self._token
         step.done = lambda _step: _post(token, self._replied, step, finished)
-        if step.kind != LOOK:
-            self._inflight += 1
-        self._committer.put(step)
+        self._committer.put(step)      # first: a step that is not data goes no further
+        self._inflight += 1
+        if step.kind == LIVE:
+            self._uncommitted += 1
         await finished.wait()
         if step.error is not None:
             raise step.error
@@ -284,8 +291,9 @@ class Engine:
     def _replied(self, step: Step, finished: trio.Event) -> None:
         """On the trio thread, before the caller sees the reply: remember what the step
         wrote until its transaction commits."""
-        if step.kind != LOOK:
-            self._inflight -= 1
+        self._inflight -= 1
+        if step.kind == TXN and step.error is None:
+            self.live = step.live       # before any later change is answered
         self._note(step)
         finished.set()
 
@@ -342,12 +350,7 @@ class Engine:
 
     async def remove_orphans(self) -> int:
         """Delete inodes left unlinked-but-open by a process that died."""
-        def work(live):
-            orphans = [S.from_u64(k) for k, _ in live.txn.cursor(db=self.db["orphans"])]
-            for ino in orphans:
-                live.destroy(ino)
-            return len(orphans)
-        return await self.mutate(work)
+        return await self.mutate(_destroy_all_orphans)
 
     # ---- snapshots -------------------------------------------------------------------------
 
@@ -355,17 +358,10 @@ class Engine:
         snapshots.validate_name(name)
         await self.files.freeze()
         try:
-            snap = await self.mutate_in_thread(self._create_snapshot, name)
+            snap = await self.mutate_in_thread(_create_snapshot, self.chunk_size, name)
         finally:
             self.files.thaw()
         await self.sync()
-        return snap
-
-    def _create_snapshot(self, txn, name: str) -> S.Snapshot:
-        """A step of a group commit: steps after it in the batch write the new live epoch."""
-        gc.settle_purges(txn, self.db, self.chunk_size)
-        snap = snapshots.create(txn, self.db, name)
-        self.live = snap.epoch + 1
         return snap
 
     async def changed_since_snapshot(self) -> bool:
@@ -386,20 +382,20 @@ class Engine:
             return snapshots.get(txn, self.db, name)
 
     async def delete_snapshot(self, name: str, force: bool = False) -> S.Snapshot:
-        snap = await self.mutate_in_thread(snapshots.delete, self.db, name, force)
+        snap = await self.mutate_in_thread(snapshots.delete, name, force)
         self._gc_wakeup.set()
         return snap
 
     async def hold(self, mirror_uuid: bytes, name: str, label: str) -> None:
-        await self.mutate_in_thread(snapshots.set_hold, self.db, mirror_uuid, name, label)
+        await self.mutate_in_thread(snapshots.set_hold, mirror_uuid, name, label)
 
     async def forget_mirror(self, label: str) -> int:
-        return await self.mutate_in_thread(snapshots.drop_holds, self.db, label)
+        return await self.mutate_in_thread(snapshots.drop_holds, label)
 
     async def rollback(self, name: str, force: bool) -> snapshots.Rollback:
         snap = self.snapshot(name)
         await self.files.flush_all()
-        done = await self.mutate_in_thread(snapshots.rollback, self.db, self.chunk_size, snap,
+        done = await self.mutate_in_thread(snapshots.rollback, self.chunk_size, snap,
                                            force)
         for ino in done.inodes:
             self.files.forget_dirty(ino)
@@ -407,11 +403,13 @@ class Engine:
         self._gc_wakeup.set()
         return done
 
-    async def restore_path(self, name: str, path: str, dest: str, force: bool, is_open):
+    async def restore_path(self, name: str, path: str, dest: str, force: bool):
+        """``snapshots.restore_path`` on the mount: the inodes it replaced stay orphans
+        (returned) for the caller to delete once the kernel does not hold them."""
         snap = self.snapshot(name)
         await self.files.flush_all()
-        result = await self.mutate_in_thread(snapshots.restore_path, self.db, self.chunk_size,
-                                             snap, path, dest, force, is_open)
+        result = await self.mutate_in_thread(snapshots.restore_path, self.chunk_size,
+                                             snap, path, dest, force, True)
         await self.sync()
         self._gc_wakeup.set()
         return result
@@ -445,19 +443,19 @@ class Engine:
                 await trio.sleep(10)
 
     async def _collect(self, token: bytes | None) -> None:
-        while not await self.mutate_in_thread(gc.purge_batch, self.db, self.chunk_size):
+        while not await self.mutate_in_thread(gc.purge_batch, self.chunk_size):
             await trio.sleep(0)
         if token is None:
             return
         for dbname in gc.RECLAIMED:
             start = None
             while True:
-                start = await self.mutate_in_thread(gc.batch, self.db, self.chunk_size,
+                start = await self.mutate_in_thread(gc.batch, self.chunk_size,
                                                     dbname, start)
                 if start is None:
                     break
                 await trio.sleep(0)
-        await self.mutate_in_thread(gc.finish_reclaim, self.db, token)
+        await self.mutate_in_thread(gc.finish_reclaim, token)
 
 
 def _post(token: trio.lowlevel.TrioToken, fn, *args) -> None:
@@ -467,3 +465,18 @@ def _post(token: trio.lowlevel.TrioToken, fn, *args) -> None:
         token.run_sync_soon(fn, *args)
     except trio.RunFinishedError:
         pass
+
+
+def _destroy_all_orphans(live: Live) -> int:
+    """A step: delete every inode marked orphan; how many."""
+    orphans = [S.from_u64(k) for k, _ in live.txn.cursor(db=live.db["orphans"])]
+    for ino in orphans:
+        live.destroy(ino)
+    return len(orphans)
+
+
+def _create_snapshot(txn, dbs, chunk_size: int, name: str) -> S.Snapshot:
+    """A TXN step: settle the purges of deleted files, then take the snapshot (the steps
+    after it write the new live epoch, the step's ``live``)."""
+    gc.settle_purges(txn, dbs, chunk_size)
+    return snapshots.create(txn, dbs, name)

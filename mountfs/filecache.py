@@ -315,7 +315,7 @@ class FileCache:
                 await self._commit_group(of, todo[first:first + per_step], final and last)
             if final and of.mtime_ns is not None and not of.dirty:
                 mtime = of.mtime_ns
-                await self._save(of, self._commit_attrs, (of, of.size, mtime),
+                await self._save(of, _commit_attrs, (of.ino, of.size, of.size, mtime),
                                  ([], of.size, mtime, True))
                 if of.mtime_ns == mtime:        # no write came while committing
                     of.mtime_ns = None
@@ -341,7 +341,7 @@ class FileCache:
                 lambda: [chunk_digest(d) for d in datas], limiter=HASH_THREADS)
         chunks = [(idx, digest, data) for (idx, _, _, data), digest in zip(copies, digests)]
         whole = whole and len(copies) == len(of.dirty)
-        await self._save(of, self._commit_chunks, (of, chunks, size, mtime, whole),
+        await self._save(of, _commit_chunks, (of.ino, chunks, size, of.size, mtime, whole),
                          ([idx for idx, _, _ in chunks], size, mtime, whole),
                          nbytes=sum(map(len, datas)))
         for idx, dc, gen, _ in copies:
@@ -352,47 +352,10 @@ class FileCache:
         if whole and not of.dirty and of.mtime_ns == mtime:
             of.mtime_ns = None                  # size and mtime went with the chunks
 
-    def _commit_chunks(self, live, of: OpenFile, chunks: list[tuple[int, bytes, bytes]],
-                       size: int, mtime: int | None, whole: bool) -> None:
-        """``size`` and ``mtime`` are the file's when the chunks were copied: writes that
-        came while waiting for the commit are not in the data and must not be in the
-        committed size (a snapshot would show zeros there). Runs in the committing thread:
-        reads nothing of ``of`` that the trio thread may change but its size, which only
-        ever lowers the committed size (a truncation meanwhile)."""
-        rec = live.inode(of.ino)
-        if rec is None:                 # deleted meanwhile (a rollback): drop the data
-            return
-        for idx, digest, data in chunks:
-            live.put_chunk(of.ino, idx, digest, data)
-        live.save(of.ino, self._grown(rec, [idx for idx, _, _ in chunks], size, of.size,
-                                      mtime, whole))
-
-    def _commit_attrs(self, live, of: OpenFile, size: int, mtime: int) -> None:
-        """``size``: the file's size when nothing was dirty (see _commit_chunk)."""
-        rec = live.inode(of.ino)
-        if rec is None:
-            return
-        live.save(of.ino, self._grown(rec, [], size, of.size, mtime, True))
-
-    def _grown(self, rec: S.Inode, idxs: list[int], size: int, now_size: int,
-               mtime: int | None, whole: bool) -> S.Inode:
-        """The record of a file once chunks ``idxs`` of it are committed: ``size`` and
-        ``mtime`` as when they were copied, ``now_size`` the file's size now (lower after
-        a truncation meanwhile); ``whole``: nothing else is dirty, so all of ``size`` is
-        written."""
-        cs = self.engine.chunk_size
-        new_size = rec.size
-        for idx in idxs:
-            new_size = max(new_size, min(size, now_size, (idx + 1) * cs))
-        if whole:
-            new_size = max(rec.size, min(size, now_size))
-        return rec.evolve(size=new_size, mtime_ns=mtime or rec.mtime_ns,
-                          ctime_ns=mtime or rec.ctime_ns)
-
-    async def _save(self, of: OpenFile, step, args: tuple, grown: tuple,
+    async def _save(self, of: OpenFile, step, args: tuple, growth: tuple,
                     nbytes: int = 0) -> None:
         """Run ``step(live, *args)``, which commits (part of) ``of`` and writes the record
-        ``_grown(rec, *grown)``: posted (no round trip to the committer) when the engine
+        ``grown(rec, cs, *growth)`` (with the file's size now): posted (no round trip to the committer) when the engine
         allows it and the file's record is known, so a close usually costs no wait."""
         engine = self.engine
         if engine.can_post(nbytes):
@@ -401,10 +364,10 @@ class FileCache:
             except FsError:
                 rec = None
             if rec is not None:
-                idxs, size, mtime, whole = grown
+                idxs, size, mtime, whole = growth
                 engine.post(step, *args, marks=(of.ino,), nbytes=nbytes,
-                            records={of.ino: self._grown(rec, idxs, size, of.size, mtime,
-                                                         whole)})
+                            records={of.ino: grown(rec, engine.chunk_size, idxs, size,
+                                                   of.size, mtime, whole)})
                 return
         await engine.mutate(step, *args, nbytes=nbytes)
 
@@ -432,3 +395,45 @@ class FileCache:
         if of is not None:
             self.dirty_bytes -= len(of.dirty) * self.engine.chunk_size
             of.dirty.clear()
+
+
+# ---- the steps that commit a file's buffers (run by the committer: data in, data out) ----
+
+def _commit_chunks(live, ino: int, chunks: list[tuple[int, bytes, bytes]], size: int,
+                   now_size: int, mtime: int | None, whole: bool) -> None:
+    """A step: store ``chunks`` (index, digest, data) of ``ino`` and grow its record.
+    ``size`` and ``mtime`` are the file's when the chunks were copied: writes that came
+    while waiting for the commit are not in the data and must not be in the committed size
+    (a snapshot would show zeros there). ``now_size``: the file's size when the step was
+    sent, lower after a truncation (under the file's lock, so none comes between the
+    copy and the step)."""
+    rec = live.inode(ino)
+    if rec is None:                 # deleted meanwhile (a rollback): drop the data
+        return
+    for idx, digest, data in chunks:
+        live.put_chunk(ino, idx, digest, data)
+    live.save(ino, grown(rec, live.chunk_size, [idx for idx, _, _ in chunks], size,
+                         now_size, mtime, whole))
+
+
+def _commit_attrs(live, ino: int, size: int, now_size: int, mtime: int) -> None:
+    """A step: the size and mtime of a file with nothing dirty (see _commit_chunks)."""
+    rec = live.inode(ino)
+    if rec is None:
+        return
+    live.save(ino, grown(rec, live.chunk_size, [], size, now_size, mtime, True))
+
+
+def grown(rec: S.Inode, cs: int, idxs: list[int], size: int, now_size: int,
+          mtime: int | None, whole: bool) -> S.Inode:
+    """The record of a file once chunks ``idxs`` of it are committed: ``size`` and
+    ``mtime`` as when they were copied, ``now_size`` the file's size now (lower after a
+    truncation meanwhile); ``whole``: nothing else is dirty, so all of ``size`` is
+    written."""
+    new_size = rec.size
+    for idx in idxs:
+        new_size = max(new_size, min(size, now_size, (idx + 1) * cs))
+    if whole:
+        new_size = max(rec.size, min(size, now_size))
+    return rec.evolve(size=new_size, mtime_ns=mtime or rec.mtime_ns,
+                      ctime_ns=mtime or rec.ctime_ns)

@@ -28,7 +28,7 @@ import trio
 from . import schema as S
 from .engine import Engine
 from .filecache import OpenFile, chunk_digest
-from .namespace import FsError, check_name, created
+from .namespace import FsError, Live, check_name, created
 
 log = logging.getLogger(__name__)
 
@@ -243,9 +243,9 @@ class Operations(pyfuse3.Operations):
             self.lookups.pop(ino, None)
             if ino < VIRT_BASE:
                 gone.append(ino)
-        await self._reap(gone)
+        await self.reap(gone)
 
-    async def _reap(self, inos: list[int]) -> None:
+    async def reap(self, inos: list[int]) -> None:
         """Delete the unlinked ones of ``inos`` once neither a name nor the kernel refers to
         them, in one step. Inodes an uncommitted step changed (just unlinked, mostly) go to
         the step as they are; the others only if the committed tree marks them orphans."""
@@ -340,18 +340,7 @@ class Operations(pyfuse3.Operations):
         if of is not None:      # writes answered before this point are cut with the file;
             self.engine.files.cut(of, size)         # later ones extend it from ``size``
         digest = await trio.to_thread.run_sync(chunk_digest, tail) if tail else None
-
-        def apply(live):
-            live.drop_chunks_from(ino, -(-size // cs))
-            if tail is not None:
-                if digest:
-                    live.put_chunk(ino, size // cs, digest, tail)
-                else:
-                    live.drop_chunk(ino, size // cs)
-            now = live.now
-            live.setattr(ino, size=size, mtime_ns=now, ctime_ns=now)
-
-        await self.engine.mutate(apply)
+        await self.engine.mutate(_truncate, ino, size, tail, digest)
 
     # ---- creating names ------------------------------------------------------------------
 
@@ -364,7 +353,7 @@ class Operations(pyfuse3.Operations):
         self._check_new_name(parent, name)
         made = await self._post_create(parent, name, mode, ctx.uid, ctx.gid, rdev, target)
         ino, rec = made or await self.engine.mutate(
-            lambda live: live.create(parent, name, mode, ctx.uid, ctx.gid, rdev, target))
+            Live.create, parent, name, mode, ctx.uid, ctx.gid, rdev, target)
         self._counted(ino)
         self._remember_no_capability(ino)      # new: no xattrs at all
         return self._attrs(ino, rec, live=True)
@@ -417,7 +406,7 @@ class Operations(pyfuse3.Operations):
     async def link(self, inode, new_parent_inode, new_name, ctx):
         self._writable(inode)
         self._check_new_name(new_parent_inode, new_name)
-        rec = await self.engine.mutate(lambda live: live.link(inode, new_parent_inode, new_name))
+        rec = await self.engine.mutate(Live.link, inode, new_parent_inode, new_name)
         self._counted(inode)
         return self._attrs(inode, rec, live=True)
 
@@ -431,22 +420,15 @@ class Operations(pyfuse3.Operations):
 
     # ---- removing names ------------------------------------------------------------------
 
-    @staticmethod
-    def _unlinked(live, freed, held) -> None:
-        """Inodes whose last link went away: delete now, or when the kernel forgets them
-        (while it holds one, ``held(ino)``, an O_PATH descriptor or an open racing the
-        unlink can still reach it)."""
-        for ino, rec in freed:
-            if rec.nlink > 0:
-                continue
-            if held(ino):
-                live.add_orphan(ino)
-            else:
-                live.destroy(ino)
-
-    async def _removed(self, fn) -> None:
-        """Run a step that unlinks (``fn(live)`` -> freed inodes)."""
-        await self.engine.mutate(lambda live: self._unlinked(live, fn(live), self._is_open))
+    async def _removed(self, remove, *args) -> None:
+        """Run ``remove(live, *args)`` (``Live.unlink``, ``rmdir`` or ``rename``) as a step.
+        Inodes whose last link it removed become orphans there, and are deleted once the
+        kernel does not hold them (``reap``: now, or when it forgets them; while it holds
+        one, an O_PATH descriptor or an open racing the unlink can still reach it). Decided
+        here, after the reply, so that the step reads nothing of this thread."""
+        freed = await self.engine.mutate(_orphaned, remove, *args)
+        if freed:
+            await self.reap(freed)
         self.engine.wake_gc()
 
     @guard
@@ -455,7 +437,7 @@ class Operations(pyfuse3.Operations):
         if self._post_unlink(parent_inode, name):
             self.engine.wake_gc()
             return
-        await self._removed(lambda live: [live.unlink(parent_inode, name)])
+        await self._removed(Live.unlink, parent_inode, name)
 
     def _post_unlink(self, parent: int, name: bytes) -> bool:
         """Post the unlink (Engine.post) of a file with one name, when the entry and both
@@ -488,14 +470,19 @@ class Operations(pyfuse3.Operations):
         then, not when the step runs: by then later calls may have reached the inode
         (a SETATTR racing the unlink, posted after it) and the kernel may have forgotten
         it since, so destroying it here would fail their steps; a forget after the unlink
-        deletes the orphan (``_reap``), in a step queued after theirs."""
+        deletes the orphan (``reap``), in a step queued after theirs."""
         live.now = now
-        Operations._unlinked(live, [live.unlink(parent, name)], lambda _ino: held)
+        ino, rec = live.unlink(parent, name)
+        if rec.nlink == 0:
+            if held:
+                live.add_orphan(ino)
+            else:
+                live.destroy(ino)
 
     @guard
     async def rmdir(self, parent_inode, name, ctx):
         self._writable(parent_inode)
-        await self._removed(lambda live: [live.rmdir(parent_inode, name)])
+        await self._removed(Live.rmdir, parent_inode, name)
 
     @guard
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
@@ -508,8 +495,8 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.EPERM)
         noreplace = bool(flags & pyfuse3.RENAME_NOREPLACE)
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
-        await self._removed(lambda live: live.rename(
-            parent_inode_old, name_old, parent_inode_new, name_new, noreplace, exchange))
+        await self._removed(Live.rename, parent_inode_old, name_old, parent_inode_new,
+                            name_new, noreplace, exchange)
 
     # ---- files ---------------------------------------------------------------------------
 
@@ -603,7 +590,7 @@ class Operations(pyfuse3.Operations):
                 await self.engine.files.release(h.of)
             finally:
                 if h.ino not in self.lookups:
-                    await self._reap([h.ino])
+                    await self.reap([h.ino])
 
     @guard
     async def fsync(self, fh, datasync):
@@ -701,7 +688,7 @@ class Operations(pyfuse3.Operations):
         if name in ACL_XATTRS:
             raise FsError(errno.EOPNOTSUPP)
         self.no_capability.discard(inode)
-        await self.engine.mutate(lambda live: live.set_xattr(inode, name, value))
+        await self.engine.mutate(Live.set_xattr, inode, name, value)
 
     @guard
     async def getxattr(self, inode, name, ctx):
@@ -730,7 +717,7 @@ class Operations(pyfuse3.Operations):
     @guard
     async def removexattr(self, inode, name, ctx):
         self._writable(inode)
-        await self.engine.mutate(lambda live: live.remove_xattr(inode, name))
+        await self.engine.mutate(Live.remove_xattr, inode, name)
 
     # ---- the filesystem ------------------------------------------------------------------
 
@@ -773,6 +760,32 @@ class Operations(pyfuse3.Operations):
     def forget_snapshot(self, name: str) -> None:
         pyfuse3.invalidate_entry_async(SNAPDIR_INO, name.encode("utf-8", "surrogateescape"),
                                        ignore_enoent=True)
+
+
+def _orphaned(live, remove, *args) -> list[int]:
+    """A step: ``remove(live, *args)``, which returns the inodes it unlinked (one pair, or
+    a list from a rename), and those left without a link marked orphans; returns them."""
+    out = remove(live, *args)
+    freed = []
+    for ino, rec in out if isinstance(out, list) else [out]:
+        if rec.nlink == 0:
+            live.add_orphan(ino)
+            freed.append(ino)
+    return freed
+
+
+def _truncate(live, ino: int, size: int, tail: bytes | None, digest: bytes | None) -> None:
+    """A step: cut ``ino`` to ``size``; ``tail``: the kept part of the chunk the cut falls
+    in (None: none to keep; empty: that chunk goes), stored under ``digest``."""
+    cs = live.chunk_size
+    live.drop_chunks_from(ino, -(-size // cs))
+    if tail is not None:
+        if digest:
+            live.put_chunk(ino, size // cs, digest, tail)
+        else:
+            live.drop_chunk(ino, size // cs)
+    now = live.now
+    live.setattr(ino, size=size, mtime_ns=now, ctime_ns=now)
 
 
 def _destroy_orphans(live, inos: list[int]) -> int:

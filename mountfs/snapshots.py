@@ -251,11 +251,12 @@ def _restore_record(live: Live, dbname: str, base: bytes, now, then, done: Rollb
 # ---- restore of one path as a copy -------------------------------------------------------------
 
 def restore_path(txn, dbs, chunk_size: int, snap: S.Snapshot, path: str, dest: str,
-                 force: bool, is_open=lambda ino: False) -> tuple[int, int, list[int]]:
+                 force: bool, mounted: bool = False) -> tuple[int, int, list[int]]:
     """Copy ``path`` as it was in ``snap`` to ``dest`` in the live tree: new inodes (hard
     links inside the tree are kept), the same chunk data by reference. An existing ``dest``
-    is replaced only with ``force``. Returns (new top inode, inodes copied, inodes whose
-    last link went away while ``is_open``, i.e. orphans the caller must track)."""
+    is replaced only with ``force``. Returns (new top inode, inodes copied, orphans: with
+    ``mounted``, the replaced inodes left without links, which the mount deletes once the
+    kernel does not hold them; without, they are deleted here)."""
     view = View(txn, dbs, snap.epoch, chunk_size)
     live = Live(txn, dbs, live_epoch(txn, dbs), chunk_size)
     try:
@@ -279,7 +280,7 @@ def restore_path(txn, dbs, chunk_size: int, snap: S.Snapshot, path: str, dest: s
             raise SnapshotError(f"{dest!r} exists; pass --force to replace it")
         if live.is_ancestor(live.lookup(parent, bname), parent):
             raise SnapshotError(f"{dest!r} contains the restore target's parent")
-        orphans = remove_tree(live, parent, bname, is_open)
+        orphans = remove_tree(live, parent, bname, mounted)
     copied = {}
     top = _copy(view, src, live, parent, bname, copied)
     return top, len(copied), orphans
@@ -312,17 +313,18 @@ def _copy(view: View, src: int, live: Live, parent: int, name: bytes, copied: di
     return ino
 
 
-def remove_tree(live: Live, parent: int, name: bytes, is_open) -> list[int]:
+def remove_tree(live: Live, parent: int, name: bytes, keep_orphans: bool) -> list[int]:
     """Unlink parent/name and everything below it. Inodes left without links are destroyed,
-    or returned as orphans when ``is_open`` says the kernel still holds them."""
+    or, with ``keep_orphans``, marked orphans and returned (a mount deletes them once the
+    kernel does not hold them)."""
     orphans = []
     child = live.lookup(parent, name)
     if stat.S_ISDIR(live.get(child).mode):
         for sub, _ in list(live.listdir(child)):
-            orphans += remove_tree(live, child, sub, is_open)
+            orphans += remove_tree(live, child, sub, keep_orphans)
     ino, rec = live.remove_entry(parent, name)
     if rec.nlink == 0:
-        if is_open(ino):
+        if keep_orphans:
             live.add_orphan(ino)
             orphans.append(ino)
         else:

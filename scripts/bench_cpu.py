@@ -4,14 +4,15 @@ and of the workload, on the floor (scripts/nullfs.py) and on a mount, in the sam
 
 bench_io.py says how much slower the mount is than the floor; this says what the extra time
 is made of. For each workload it reads, before and after, the CPU time (user + system) of
-every thread of the filesystem's process (/proc/PID/task) and of the workload's processes
-(RUSAGE_CHILDREN), and prints them beside the wall time. The workloads send their requests
+every thread of the filesystem's process (/proc/PID/task) and of its children (the mount's
+writer process, mountfs.writer), and of the workload's processes (RUSAGE_CHILDREN), and
+prints them beside the wall time. The workloads send their requests
 one at a time (git, a create loop), so the wall time is a chain: the workload's CPU, the
 serving thread's CPU, whatever else holds the GIL in between, and the waits (wake-ups,
 the disk). ``chain vs floor`` compares the workload's CPU plus the serving thread's with the
-floor's: what the chain would cost if every other thread (the committer) ran beside it for
-free, on a core of its own, so a bound that no change outside the serving thread (moving the
-committer to a writer process, say) can get under. ``cores busy`` is all the CPU counted
+floor's: what the chain would cost if the rest (the writer process, the thread reading its
+replies) ran beside it for free, on a core of its own, so a bound that no change outside
+the serving thread can get under. ``cores busy`` is all the CPU counted
 over the wall time: on a 2-core machine, how much room is left to run anything beside.
 
     .venv/bin/python scripts/bench_cpu.py            # git checkout, creates, 1 GiB written
@@ -37,10 +38,19 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[float, float]]:
-    """(user, system) CPU seconds so far of each thread of ``pid``, by thread id (the
-    serving thread is the main one: its id is ``pid``)."""
+    """(user, system) CPU seconds so far of each thread of ``pid`` and of its children, by
+    thread id (the serving thread is the main one: its id is ``pid``)."""
     out: dict[int, tuple[float, float]] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
+        except FileNotFoundError:
+            children = []
+        for child in children:
+            try:
+                out.update(thread_cpu(int(child)))
+            except FileNotFoundError:       # it exited meanwhile
+                pass
         try:
             stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
         except FileNotFoundError:           # the thread ended between listing and reading
@@ -157,9 +167,9 @@ def report(title: str, runs: list[dict], size: int = 0) -> None:
                          f"{x['wall'] / f['wall']:.2f}x",
                          f"{chain / (f['serving'] + f['workload']):.2f}x"])
     B.print_table(title, ["run", "wall s", *(["MB/s"] if size else []), "workload cpu",
-                          "serving cpu", "of it system", "other threads", "cores busy",
+                          "serving cpu", "of it system", "the rest", "cores busy",
                           "wall vs floor", "chain vs floor"], rows)
-    print("the mount's busiest other thread (the committer), cpu s:",
+    print("the mount's busiest other thread (the writer process's committer), cpu s:",
           ", ".join(f"{r['mount']['busiest other']:.2f}" for r in runs))
 
 

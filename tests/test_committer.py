@@ -31,6 +31,22 @@ def _run(committer: Committer, kind: str, fn=None, *args):
     return step.result
 
 
+def _create(live, parent: int, name: bytes, mode: int):
+    return live.create(parent, name, mode, 0, 0)
+
+
+def _chmod(live, ino: int, mode: int) -> None:
+    live.save(ino, live.get(ino).evolve(mode=mode))
+
+
+def _remove(live, parent: int, name: bytes) -> None:
+    live.destroy(live.unlink(parent, name)[0])
+
+
+def _lookup(live, parent: int, name: bytes):
+    return live.lookup(parent, name)
+
+
 def _half_done(live, parent: int, name: bytes) -> None:
     """A step that writes records and then fails: none of it may count."""
     live.create(parent, name, stat.S_IFREG | 0o644, 0, 0)
@@ -42,44 +58,36 @@ def test_buckets_folded_per_transaction_match_the_items(tmp_path, monkeypatch):
     path = tmp_path / "store"
     cli("mountfs", "mkfs", path)
     store = Store.open(path)
-    live_epoch = [0]
     with store.read() as txn:
-        live_epoch[0] = store.live_epoch(txn)
-    committer = Committer(store, lambda: live_epoch[0], lambda n, txn_no: None,
-                          lambda steps: None)
+        epoch_before = store.live_epoch(txn)
+    committer = Committer(store, epoch_before, lambda n, txn_no: None, lambda steps: None)
     committer.start()
     try:
-        d, _ = _run(committer, LIVE, lambda live: live.create(S.ROOT_INO, b"d",
-                                                              stat.S_IFDIR | 0o755, 0, 0))
+        d, _ = _run(committer, LIVE, _create, S.ROOT_INO, b"d", stat.S_IFDIR | 0o755)
         for i in range(30):
-            ino, rec = _run(committer, LIVE, lambda live, i=i: live.create(
-                d, b"f%d" % i, stat.S_IFREG | 0o644, 0, 0))
+            ino, rec = _run(committer, LIVE, _create, d, b"f%d" % i, stat.S_IFREG | 0o644)
             for mode in (0o600, 0o640, 0o444):        # the same record, again and again
-                _run(committer, LIVE, lambda live, ino=ino, mode=mode:
-                     live.save(ino, live.get(ino).evolve(mode=stat.S_IFREG | mode)))
+                _run(committer, LIVE, _chmod, ino, stat.S_IFREG | mode)
             with pytest.raises(FsError, match="failed half-way"):
                 _run(committer, LIVE, _half_done, d, b"half%d" % i)
             if i % 3 == 0:
-                _run(committer, LIVE, lambda live, i=i: live.destroy(
-                    live.unlink(d, b"f%d" % i)[0]))
+                _run(committer, LIVE, _remove, d, b"f%d" % i)
         assert committer._deferred_buckets.before        # deferred, not yet folded
-        epoch_before = live_epoch[0]
-
-        def snapshot(txn):
-            snap = snapshots.create(txn, store.db, "s1")
-            live_epoch[0] = store.live_epoch(txn)
-            return snap
-        _run(committer, TXN, snapshot)                    # commits (folds) first
-        assert live_epoch[0] == epoch_before + 1
-        _run(committer, LIVE, lambda live: live.create(d, b"after", stat.S_IFREG, 0, 0))
+        _run(committer, TXN, snapshots.create, "s1")      # commits (folds) first
+        with store.read() as txn:
+            epoch_after = store.live_epoch(txn)
+        assert epoch_after == epoch_before + 1
+        _run(committer, LIVE, _create, d, b"after", stat.S_IFREG)   # in the new epoch
         _run(committer, SYNC)
     finally:
         committer.stop()
     with store.read() as txn:
-        for epoch in (epoch_before, live_epoch[0]):
+        assert View(txn, store.db, epoch_after, store.chunk_size).lookup(d, b"after")
+        assert View(txn, store.db, epoch_before, store.chunk_size).lookup(d, b"after") is None
+        for epoch in (epoch_before, epoch_after):
             assert buckets.at(txn, store.db, epoch, store.bucket_count) == \
                 buckets.compute(txn, store.db, epoch, store.bucket_count)
-        assert any(b != buckets.ZERO for b in buckets.at(txn, store.db, live_epoch[0],
+        assert any(b != buckets.ZERO for b in buckets.at(txn, store.db, epoch_after,
                                                           store.bucket_count))
     store.close()
     fsck_clean(path)
@@ -95,13 +103,11 @@ def test_posted_steps_wait_in_a_batch_then_run_in_order_and_commit_on_their_own(
     with store.read() as txn:
         epoch = store.live_epoch(txn)
     committed, ran = queue.SimpleQueue(), []
-    committer = Committer(store, lambda: epoch, lambda n, txn_no: committed.put(n),
-                          ran.extend)
+    committer = Committer(store, epoch, lambda n, txn_no: committed.put(n), ran.extend)
     committer.start()
 
     def post(name: bytes) -> Step:
-        step = Step(LIVE, lambda live: live.create(S.ROOT_INO, name, stat.S_IFREG, 0, 0),
-                    posted=set())
+        step = Step(LIVE, _create, (S.ROOT_INO, name, stat.S_IFREG), posted=set())
         committer.post(step)
         return step
     try:
@@ -112,7 +118,7 @@ def test_posted_steps_wait_in_a_batch_then_run_in_order_and_commit_on_their_own(
             view = View(txn, store.db, epoch, store.chunk_size)
             assert all(view.lookup(S.ROOT_INO, b"f%d" % i) for i in range(50))
         late = post(b"late")
-        seen = _run(committer, LIVE, lambda live: live.lookup(S.ROOT_INO, b"late"))
+        seen = _run(committer, LIVE, _lookup, S.ROOT_INO, b"late")
         assert seen is not None and late.error is None  # the posted step ran first
     finally:
         committer.stop()
@@ -130,12 +136,12 @@ def test_a_batch_of_posted_steps_is_bounded_whatever_the_commit_delay(tmp_path, 
     with store.read() as txn:
         epoch = store.live_epoch(txn)
     ran: list = []
-    committer = Committer(store, lambda: epoch, lambda n, txn_no: None, ran.extend)
+    committer = Committer(store, epoch, lambda n, txn_no: None, ran.extend)
     committer.start()
     try:
         for i in range(2 * BATCH_STEPS + 10):
-            committer.post(Step(LIVE, lambda live, i=i: live.create(
-                S.ROOT_INO, b"f%d" % i, stat.S_IFREG, 0, 0), posted=set()))
+            committer.post(Step(LIVE, _create, (S.ROOT_INO, b"f%d" % i, stat.S_IFREG),
+                                posted=set()))
         deadline = time.monotonic() + 60
         while len(ran) < 2 * BATCH_STEPS and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -1,0 +1,339 @@
+"""The writer process: the committer (mountfs.committer) run in a process of its own.
+
+Why: a workload that sends one request at a time (git checkout, creating files) waits for
+the trio thread's Python on every request. With the committer as a thread of the mount
+process, its Python (about 70 µs per change) took turns with the trio thread's on one GIL,
+so it ran in series with every request (docs/benchmarks.md, eighth and ninth rounds).
+In a process of its own it runs beside them, on the machine's other core.
+
+How:
+* the mount starts ``python -m mountfs.writer STORE`` with a pipe each way and the store's
+  lock file open: the child opens the store without taking the lock (the mount holds it;
+  the child holds the same open file, so the store stays locked until both are gone);
+* the child dies with the mount (PR_SET_PDEATHSIG): a kill -9 of the mount loses the open
+  transaction and nothing committed, as when the committer was a thread; if the child dies
+  alone, every later change fails (EIO) and the mount must be remounted, as after a failed
+  commit;
+* steps travel as data (``committer.Step``: a module-level function and plain arguments),
+  pickled in ``multiprocessing.connection`` frames; what a step wrote (marks, records) and
+  its result come back, and the mount's committer thread of old is this module's reader
+  thread, calling the engine's callbacks the same way;
+* reads never cross: the mount reads the committed tree through its own LMDB environment
+  (LMDB's readers are multi-process); a read of something an uncommitted change wrote asks
+  for a commit first (``Engine.look``).
+
+Frames, mount -> writer: a header (``HEADER``: PUT, POST or STOP, and the step's number)
+and the pickled ``(kind, fn, args, nbytes)`` (a frame the writer cannot read fails that step
+alone, as a step that raised would). Writer -> mount, pickled: ``("reply", outcome, ok)``,
+``("ran", [outcome, ...], ok)``, ``("committed", n, txn_no, ok)``, where ``outcome`` is
+``(seq, result, error, marks, records, txn_no, live)`` and ``ok`` is whether changes are
+still answered before their commit (``Committer.answers_early``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import io
+import logging
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+from .committer import LIVE, Committer, Step
+from .namespace import FsError
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+PIPE_BYTES = 1 << 20        # each pipe's capacity: a posted 1 MiB chunk fits in one write
+NICE = 10                   # the writer's niceness: a thread of the request chain (the trio
+                            # thread, the caller) woken on the core it runs on takes the core
+                            # at once; at 0 the chain waited for it, and 10,000 creates took
+                            # 3.96-4.36 s instead of 3.53-3.74 (docs/benchmarks.md, tenth
+                            # round). Under full load it still gets about a tenth of a core.
+HEADER = struct.Struct("<BQ")     # what the mount sends: PUT, POST or STOP, the step's number
+PUT, POST, STOP = 0, 1, 2
+_PR_SET_PDEATHSIG = 1
+_F_SETPIPE_SZ = 1031
+
+
+class WriterProcess:
+    """The mount's side: the committer's interface (``start``, ``put``, ``post``,
+    ``answers_early``, ``stop``, ``failed``), served by the writer process. ``put`` and
+    ``post`` are called from the trio thread only; the callbacks (each step's ``done``,
+    ``committed``, ``ran``) are called from this object's reader thread."""
+
+    def __init__(self, store: Store, committed, ran):
+        self.store = store
+        self._committed = committed
+        self._on_ran = ran
+        self._steps: dict[int, Step] = {}       # sent, not yet answered, by sequence number
+        self._seq = 0
+        self._answers_early = True
+        self.failed: BaseException | None = None
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> None:
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        for fd in (to_child_w, to_parent_w):
+            _widen(fd)
+        keep = [to_child_r, to_parent_w] + ([self.store.lockfd] if self.store.lockfd else [])
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "mountfs.writer", str(self.store.path),
+                 str(to_child_r), str(to_parent_w)],
+                pass_fds=keep, preexec_fn=_in_child, stdin=subprocess.DEVNULL)
+        finally:
+            os.close(to_child_r)
+            os.close(to_parent_w)
+        self._conn = Connection(to_child_w, readable=False)
+        incoming = Connection(to_parent_r, writable=False)
+        self._reader = threading.Thread(target=self._read, args=(incoming,),
+                                        name="mountfs-writer-replies", daemon=True)
+        self._reader.start()
+
+    def put(self, step: Step) -> None:
+        self._send(PUT, step)
+
+    def post(self, step: Step) -> None:
+        self._send(POST, step)
+
+    def answers_early(self) -> bool:
+        return self._answers_early and self.failed is None
+
+    def stop(self) -> None:
+        """Have the writer commit what is open and exit; wait for it (idempotent)."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            try:
+                self._conn.send_bytes(HEADER.pack(STOP, 0))
+            except OSError:             # it died: the reader thread has said so
+                pass
+        self._proc.wait()
+        self._reader.join()
+        self._conn.close()
+        self._proc = None
+
+    def _send(self, op: int, step: Step) -> None:
+        """Send a step; if the writer is gone, fail it (at once, or through the reader
+        thread, which fails every step it finds waiting when the writer's pipe ends: the
+        ``_steps.pop`` that finds it answers it, once)."""
+        self._seq += 1
+        step.seq = self._seq
+        frame = io.BytesIO()
+        frame.write(HEADER.pack(op, step.seq))
+        try:
+            pickle.dump((step.kind, step.fn, step.args, step.nbytes), frame, protocol=5)
+        except Exception as e:          # not data (committer.Step): this call fails
+            raise TypeError(f"a {step.kind} step is not data: {step.fn!r}: {e}") from None
+        self._steps[step.seq] = step
+        if self.failed is None:
+            try:
+                self._conn.send_bytes(frame.getbuffer())
+                return
+            except OSError:             # the writer died: its pipe's end is near
+                self._reader.join()
+        if self._steps.pop(step.seq, None) is not None:
+            self._fail([step])
+
+    # ---- the reader thread -------------------------------------------------------------------
+
+    def _read(self, conn: Connection) -> None:
+        try:
+            while True:
+                try:
+                    frame = conn.recv()
+                except (EOFError, OSError):
+                    break
+                except Exception:       # a bug: nothing more from it can be trusted
+                    log.exception("unreadable reply from the writer process; stopping it")
+                    self._proc.kill()
+                    break
+                self._deliver(frame)
+        finally:
+            conn.close()
+            self._writer_gone()
+
+    def _deliver(self, frame: tuple) -> None:
+        kind, *rest = frame
+        self._answers_early = rest[-1]
+        if kind == "reply":
+            step = self._answered(rest[0])
+            step.done(step)
+        elif kind == "ran":
+            self._on_ran([self._answered(outcome) for outcome in rest[0]])
+        elif kind == "committed":
+            self._committed(rest[0], rest[1])
+
+    def _answered(self, outcome: tuple) -> Step:
+        seq, result, error, marks, records, txn_no, live = outcome
+        step = self._steps.pop(seq)
+        step.result, step.error, step.marks, step.records = result, error, marks, records
+        step.txn_no, step.live, step.replied = txn_no, live, True
+        return step
+
+    def _writer_gone(self) -> None:
+        """The writer exited: at our request (nothing is left waiting), or it died. Then
+        what it had not committed is lost, as in a crash: every step still waiting fails,
+        and so does every later one (``failed``)."""
+        code = self._proc.wait()
+        reason = _exit_reason(code)
+        self.failed = FsError(errno.EIO, f"the writer process exited ({reason}); remount "
+                                         f"the filesystem")
+        left = [self._steps.pop(seq, None) for seq in sorted(self._steps)]
+        left = [step for step in left if step is not None]
+        if code == 0 and not left:
+            return
+        log.critical("the writer process of %s exited (%s): changes not yet committed are "
+                     "lost (as in a crash); the filesystem refuses changes until it is "
+                     "remounted", self.store.path, reason)
+        self._fail(left)
+
+    def _fail(self, steps: list[Step]) -> None:
+        """Answer ``steps`` with ``failed``, as the committer answers steps it refuses."""
+        posted = []
+        for step in steps:
+            step.error, step.replied = self.failed, True
+            if step.posted is not None:
+                posted.append(step)
+            else:
+                step.done(step)
+        if posted:
+            self._on_ran(posted)
+        live = sum(1 for step in steps if step.kind == LIVE)
+        if live:
+            self._committed(live, 0)    # counted as pending by the engine: never will be
+
+
+def _widen(fd: int) -> None:
+    try:
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:                     # above /proc/sys/fs/pipe-max-size: the default stays
+        pass
+
+
+def _in_child() -> None:
+    """In the child before exec: SIGKILL when the mount process dies; NICE."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.nice(NICE)
+
+
+def _exit_reason(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
+
+# ---- the writer process ------------------------------------------------------------------------
+
+class _Writer:
+    """The child's side: a Committer fed from the mount's frames, its callbacks (all in the
+    committer's thread) sent back."""
+
+    def __init__(self, store: Store, out: Connection):
+        self.out = out
+        with store.read() as txn:
+            live = store.live_epoch(txn)
+        self.committer = Committer(store, live, self._committed, self._ran)
+
+    def serve(self, incoming: Connection) -> None:
+        self.committer.start()
+        try:
+            while True:
+                try:
+                    frame = incoming.recv_bytes()
+                except EOFError:        # the mount is gone (it died: we are killed too)
+                    break
+                op, seq = HEADER.unpack_from(frame)
+                if op == STOP:
+                    break
+                self._submit(op, seq, memoryview(frame)[HEADER.size:])
+        finally:
+            self.committer.stop()
+
+    def _submit(self, op: int, seq: int, body) -> None:
+        try:
+            kind, fn, args, nbytes = pickle.loads(body)
+        except Exception as e:          # a bug: this step fails, as if it had raised
+            kind, fn, args, nbytes = LIVE, _unreadable, (f"{type(e).__name__}: {e}",), 0
+        if op == POST:
+            step = Step(LIVE, fn, args, nbytes, posted=())
+            step.seq = seq
+            self.committer.post(step)
+        else:
+            step = Step(kind, fn, args, nbytes, done=self._reply)
+            step.seq = seq
+            self.committer.put(step)
+
+    def _reply(self, step: Step) -> None:
+        self._send("reply", _outcome(step))
+
+    def _ran(self, steps: list[Step]) -> None:
+        self._send("ran", [_outcome(step) for step in steps])
+
+    def _committed(self, n: int, txn_no: int) -> None:
+        self._send("committed", n, txn_no)
+
+    def _send(self, kind: str, *body) -> None:
+        frame = (kind, *body, self.committer.answers_early())
+        try:
+            self.out.send(frame)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            self.out.send(_portable(frame, e))
+
+
+def _unreadable(live, problem: str) -> None:
+    """The step of a frame the writer could not read."""
+    raise FsError(errno.EIO, f"the writer process could not read a step ({problem})")
+
+
+def _outcome(step: Step) -> tuple:
+    return (step.seq, step.result, step.error, step.marks, step.records, step.txn_no,
+            step.live)
+
+
+def _portable(frame: tuple, problem: Exception) -> tuple:
+    """``frame`` with every result or error that cannot be sent replaced by EIO."""
+    def fix(outcome):
+        try:
+            pickle.dumps(outcome)
+            return outcome
+        except Exception:
+            seq, _, error, marks, records, txn_no, live = outcome
+            error = FsError(errno.EIO, f"{error or problem}")
+            return seq, None, error, marks, records, txn_no, live
+    kind, *body = frame
+    if kind == "reply":
+        body[0] = fix(body[0])
+    elif kind == "ran":
+        body[0] = [fix(outcome) for outcome in body[0]]
+    return (kind, *body)
+
+
+def main(argv: list[str]) -> int:
+    path, incoming_fd, out_fd = argv[0], int(argv[1]), int(argv[2])
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s mountfs-writer %(levelname)s %(message)s")
+    if os.getppid() == 1:               # the mount died before we could watch it
+        return 1
+    from . import engine, ops        # noqa: F401  the steps' modules, before the first step
+    store = Store.open(path, lock=False)
+    try:
+        _Writer(store, Connection(out_fd, readable=False)).serve(
+            Connection(incoming_fd, writable=False))
+    finally:
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
