@@ -83,6 +83,8 @@ class WriterProcess:
         self._reader: threading.Thread | None = None
 
     def start(self) -> None:
+        """Start the writer. From the thread that lives as long as the mount (the trio
+        thread): the parent-death signal follows the thread that started the child."""
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
         for fd in (to_child_w, to_parent_w):
@@ -91,7 +93,7 @@ class WriterProcess:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "mountfs.writer", str(self.store.path),
-                 str(to_child_r), str(to_parent_w)],
+                 str(to_child_r), str(to_parent_w), str(os.getpid())],
                 pass_fds=keep, preexec_fn=_in_child, stdin=subprocess.DEVNULL)
         finally:
             os.close(to_child_r)
@@ -320,10 +322,10 @@ def _portable(frame: tuple, problem: Exception) -> tuple:
 
 
 def main(argv: list[str]) -> int:
-    path, incoming_fd, out_fd = argv[0], int(argv[1]), int(argv[2])
+    path, incoming_fd, out_fd, mount_pid = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s mountfs-writer %(levelname)s %(message)s")
-    if os.getppid() == 1:               # the mount died before we could watch it
+    if os.getppid() != mount_pid:       # the mount died before the death signal was set
         return 1
     from . import engine, ops        # noqa: F401  the steps' modules, before the first step
     store = Store.open(path, lock=False)
