@@ -13,8 +13,9 @@ Rules (the engine keeps them):
 * changes run in submission order, so a crash keeps a prefix of the calls that returned;
 * a change not yet committed is seen only inside the open transaction: each live step
   reports what it wrote as *marks* (an inode's records, a directory entry, a directory's
-  listing), and the mount reads anything marked by an uncommitted step only once it is
-  committed (``Engine.look``), the rest from the committed tree at once;
+  listing), and the mount reads anything marked by an uncommitted step through a LOOK
+  step (a file's data) or once it is committed (``Engine.look``), the rest from the
+  committed tree at once;
 * below DEFER_MARGIN of free disk every step waits for its commit, so a full disk fails
   the call that caused it (ENOSPC) instead of a commit after the reply. A commit that still
   fails after replies went out loses those changes (as a crash would): the committer then
@@ -48,7 +49,7 @@ import lmdb
 
 from . import buckets
 from . import schema as S
-from .namespace import FsError, Live
+from .namespace import FsError, Live, View
 from .store import Store, StoreError, StoreFull
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ TXN_STEPS = 5000            # steps that make a transaction commit early
 BATCH_STEPS = 256           # posted steps that make their batch run early (Committer.post)
 DEFER_MARGIN = 256 << 20    # less free disk than this: every step waits for its commit
 
-LIVE, TXN, COMMIT, SYNC = "live", "txn", "commit", "sync"
+LIVE, TXN, COMMIT, SYNC, LOOK = "live", "txn", "commit", "sync", "look"
 
 
 class Step:
@@ -71,7 +72,8 @@ class Step:
     LIVE: ``fn(live, *args)`` in the open transaction (a nested one, so a step that raises
     leaves no trace); TXN: ``fn(txn, dbs, *args)`` in a transaction of its own (snapshots,
     GC, rollback: cursors over the tables they change), committed before the reply; COMMIT
-    and SYNC: commit what is open (SYNC also syncs LMDB's meta page).
+    and SYNC: commit what is open (SYNC also syncs LMDB's meta page); LOOK: ``fn(view,
+    *args)`` on the live tree as the open transaction has it (a ``namespace.View``).
 
     Steps are data, since they go to another process (mountfs.writer): a module-level
     function and plain arguments, with plain results and errors; never a closure over the
@@ -253,7 +255,9 @@ class Committer:
                 self._committed(1, 0)       # counted as pending: never will be
 
     def _serve(self, step: Step) -> None:
-        if self.failed is not None:
+        if step.kind == LOOK:
+            self._look(step)
+        elif self.failed is not None:
             step.error = FsError(errno.EIO, f"an earlier commit failed ({self.failed}); "
                                             f"remount the filesystem")
             self._reply(step)
@@ -269,6 +273,23 @@ class Committer:
             elif step.kind == SYNC and self.failed is None:
                 self.store.sync()
             self._reply(step)
+
+    def _look(self, step: Step) -> None:
+        """Read the open transaction (LMDB's readers see committed ones only), or, with
+        none open, a read transaction."""
+        try:
+            if self._txn is not None:
+                step.result = self._read(self._txn, step)
+            else:
+                with self.store.read() as txn:
+                    step.result = self._read(txn, step)
+        except Exception as e:
+            step.error = e
+        self._reply(step)
+
+    def _read(self, txn, step: Step):
+        return step.fn(View(txn, self.store.db, self._live_epoch, self.store.chunk_size),
+                       *step.args)
 
     def _live(self, step: Step) -> None:
         if self._txn is None:

@@ -6,8 +6,9 @@ Concurrency rule (see docs/architecture.md): every change is a step for the comm
 (mountfs.writer): a step is applied to the open write transaction and answered at once;
 the transaction is committed within COMMIT_DELAY, and at once for fsync, a snapshot or
 unmount. Reads are short LMDB read transactions on the trio thread (microseconds); a read of
-what an uncommitted change wrote (its marks) first has the writer commit (``look``), so a
-caller always reads what the calls answered before it made. Steps are data (a module-level
+what an uncommitted change wrote (its marks) is done by the writer (a file's data:
+``read_uncommitted``) or after it commits (``look``), so a caller always reads what the calls
+answered before it made. Steps are data (a module-level
 function and plain arguments): they run in another process.
 """
 
@@ -22,7 +23,7 @@ import trio
 
 from . import gc, snapshots
 from . import schema as S
-from .committer import COMMIT, LIVE, SYNC, TXN, Step
+from .committer import COMMIT, LIVE, LOOK, SYNC, TXN, Step
 from .filecache import INLINE_HASH, FileCache
 from .mapread import resident
 from .namespace import FsError, Live, View
@@ -121,6 +122,9 @@ class Engine:
             log.error("chunk %s is corrupt or missing in the store; run 'mountfs fsck'",
                       bad.hex())
             raise FsError(errno.EIO, f"chunk {bad.hex()} is corrupt")
+        self._remember_verified(digests)
+
+    def _remember_verified(self, digests: list[bytes]) -> None:
         for digest in digests:
             self._verified[digest] = None
             self._verified.move_to_end(digest)
@@ -152,6 +156,10 @@ class Engine:
             # or other epochs' data. Checked in the reading transaction: no race with GC.
             raise FsError(errno.ESTALE)
         return View(txn, self.db, epoch, self.chunk_size)
+
+    def uncommitted(self, mark) -> bool:
+        """Whether an answered change not yet committed wrote ``mark``."""
+        return bool(self._uncommitted) and self.dirty(mark)
 
     def dirty(self, mark) -> bool:
         """Whether an answered, uncommitted change wrote ``mark`` (committer.marks_of)."""
@@ -193,6 +201,19 @@ class Engine:
     def _look_now(self, fn, epoch: int | None):
         with self.store.read() as txn:
             return fn(self._view(txn, epoch))
+
+    async def read_uncommitted(self, ino: int, off: int, end: int, size: int) -> bytes:
+        """Bytes [off, end) of live file ``ino`` (of ``size``) as stored, read by the writer
+        in its open transaction (for a file an uncommitted change wrote: a read right after
+        a write would otherwise cost a synced commit). The writer checks each chunk's digest
+        there, so what it sends back counts as checked (``verify``)."""
+        bad, data, digests = await self._submit(Step(LOOK, _checked_read, (ino, off, end, size)))
+        if bad is not None:
+            log.error("chunk %s is corrupt or missing in the store; run 'mountfs fsck'",
+                      bad.hex())
+            raise FsError(errno.EIO, f"chunk {bad.hex()} is corrupt")
+        self._remember_verified(digests)
+        return data
 
     async def mutate(self, fn, *args, nbytes: int = 0):
         """Run ``fn(live, *args)`` as a step of the open transaction (in the committer's
@@ -280,7 +301,8 @@ class Engine:
         token = self._token
         step.done = lambda _step: _post(token, self._replied, step, finished)
         self._committer.put(step)      # first: a step that is not data goes no further
-        self._inflight += 1
+        if step.kind != LOOK:
+            self._inflight += 1
         if step.kind == LIVE:
             self._uncommitted += 1
         await finished.wait()
@@ -291,7 +313,8 @@ class Engine:
     def _replied(self, step: Step, finished: trio.Event) -> None:
         """On the trio thread, before the caller sees the reply: remember what the step
         wrote until its transaction commits."""
-        self._inflight -= 1
+        if step.kind != LOOK:
+            self._inflight -= 1
         if step.kind == TXN and step.error is None:
             self.live = step.live       # before any later change is answered
         self._note(step)
@@ -480,3 +503,19 @@ def _create_snapshot(txn, dbs, chunk_size: int, name: str) -> S.Snapshot:
     after it write the new live epoch, the step's ``live``)."""
     gc.settle_purges(txn, dbs, chunk_size)
     return snapshots.create(txn, dbs, name)
+
+
+def _checked_read(view: View, ino: int, off: int, end: int, size: int):
+    """A LOOK step: ``(None, bytes [off, end) of ino, digests of the chunks under them)``
+    with every such chunk checked against its digest, or ``(the digest of one that is
+    corrupt or missing, None, None)``."""
+    cs, digests = view.chunk_size, []
+    for idx in range(off // cs, (end - 1) // cs + 1):
+        c = view.chunk(ino, idx)
+        if c is None:
+            continue
+        data = view.txn.get(c[0], db=view.db["blobs"])
+        if data is None or blake3.blake3(data).digest() != c[0]:
+            return c[0], None, None
+        digests.append(c[0])
+    return None, view.read(ino, off, end - off, size), digests

@@ -559,11 +559,16 @@ class Operations(pyfuse3.Operations):
         cs, ino, file_size = self.engine.chunk_size, of.ino, of.size
         while True:
             dirty = await self.engine.files.contents(of, off // cs, (end - 1) // cs)
+            if self.engine.uncommitted(ino):
+                stored = await self.engine.read_uncommitted(ino, off, end, file_size)
+                return _assemble(lambda pos, take: stored[pos - off:pos - off + take],
+                                 off, end, cs, dirty)
 
             def served(v):
                 if self.engine.unverified(v, ino, off, end - off):
                     return None
-                return _assemble(v, ino, off, end, file_size, cs, dirty)
+                return _assemble(lambda pos, take: v.read(ino, pos, take, file_size),
+                                 off, end, cs, dirty)
             data = await self.engine.look(served, marks=(ino,))
             if data is not None:
                 return data
@@ -817,11 +822,11 @@ def _changed(rec: S.Inode, changes: dict) -> S.Inode:
     return rec.evolve(**changes)
 
 
-def _assemble(v, ino: int, off: int, end: int, size: int, cs: int,
-              dirty: dict[int, bytes]) -> bytes:
-    """[off, end) of a live file: buffered chunks from ``dirty``, the rest from the store."""
+def _assemble(stored, off: int, end: int, cs: int, dirty: dict[int, bytes]) -> bytes:
+    """[off, end) of a live file: buffered chunks from ``dirty``, the rest from the store
+    (``stored(pos, n)``: n bytes at pos, zeros past the end of the file)."""
     if not dirty:
-        return v.read(ino, off, end - off, size)
+        return stored(off, end - off)
     out = bytearray()
     pos = off
     while pos < end:
@@ -829,7 +834,7 @@ def _assemble(v, ino: int, off: int, end: int, size: int, cs: int,
         take = min(cs - within, end - pos)
         data = dirty.get(idx)
         if data is None:
-            out += v.read(ino, pos, take, size)
+            out += stored(pos, take)
         else:
             piece = data[within:within + take]
             out += piece + bytes(take - len(piece))

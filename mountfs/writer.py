@@ -18,9 +18,10 @@ How:
   pickled in ``multiprocessing.connection`` frames; what a step wrote (marks, records) and
   its result come back, and the mount's committer thread of old is this module's reader
   thread, calling the engine's callbacks the same way;
-* reads never cross: the mount reads the committed tree through its own LMDB environment
-  (LMDB's readers are multi-process); a read of something an uncommitted change wrote asks
-  for a commit first (``Engine.look``).
+* the mount reads the committed tree through its own LMDB environment (LMDB's readers are
+  multi-process); a file's data an uncommitted change wrote is read by the writer (a LOOK
+  step, ``Engine.read_uncommitted``), anything else such a change wrote after a commit
+  (``Engine.look``).
 
 Frames, mount -> writer: a header (``HEADER``: PUT, POST or STOP, and the step's number)
 and the pickled ``(kind, fn, args, nbytes)`` (a frame the writer cannot read fails that step
