@@ -15,7 +15,9 @@ How:
   alone, every later change fails (EIO) and the mount must be remounted, as after a failed
   commit;
 * steps travel as data (``committer.Step``: a module-level function and plain arguments),
-  pickled in ``multiprocessing.connection`` frames; what a step wrote (marks, records) and
+  pickled; the trio thread never waits for the pipe: what does not fit is kept in order
+  and written as the writer reads (a trio system task; during a 1 GiB write the blocking
+  writes had held the trio loop up to 0.19 s at a time); what a step wrote (marks, records) and
   its result come back, and the mount's committer thread of old is this module's reader
   thread, calling the engine's callbacks the same way;
 * the mount reads the committed tree through its own LMDB environment (LMDB's readers are
@@ -23,9 +25,9 @@ How:
   step, ``Engine.read_uncommitted``), anything else such a change wrote after a commit
   (``Engine.look``).
 
-Frames, mount -> writer: a header (``HEADER``: PUT, POST or STOP, and the step's number)
-and the pickled ``(kind, fn, args, nbytes)`` (a frame the writer cannot read fails that step
-alone, as a step that raised would). Writer -> mount, pickled: ``("reply", outcome, ok)``,
+Frames, mount -> writer: their length (``LENGTH``), a header (``HEADER``: PUT, POST or STOP,
+and the step's number) and the pickled ``(kind, fn, args, nbytes)`` (a frame the writer cannot read fails that step
+alone, as a step that raised would). Writer -> mount, ``multiprocessing.connection`` frames, pickled: ``("reply", outcome, ok)``,
 ``("ran", [outcome, ...], ok)``, ``("committed", n, txn_no, ok)``, where ``outcome`` is
 ``(seq, result, error, marks, records, txn_no, live)`` and ``ok`` is whether changes are
 still answered before their commit (``Committer.answers_early``).
@@ -45,7 +47,10 @@ import struct
 import subprocess
 import sys
 import threading
+from collections import deque
 from multiprocessing.connection import Connection
+
+import trio
 
 from .committer import LIVE, Committer, Step
 from .namespace import FsError
@@ -59,6 +64,7 @@ NICE = 10                   # the writer's niceness: a thread of the request cha
                             # at once; at 0 the chain waited for it, and 10,000 creates took
                             # 3.96-4.36 s instead of 3.53-3.74 (docs/benchmarks.md, tenth
                             # round). Under full load it still gets about a tenth of a core.
+LENGTH = struct.Struct(">I")      # of what follows in a frame to the writer
 HEADER = struct.Struct("<BQ")     # what the mount sends: PUT, POST or STOP, the step's number
 PUT, POST, STOP = 0, 1, 2
 _PR_SET_PDEATHSIG = 1
@@ -80,7 +86,9 @@ class WriterProcess:
         self._answers_early = True
         self.failed: BaseException | None = None
         self._proc: subprocess.Popen | None = None
-        self._conn: Connection | None = None
+        self._out_fd = -1
+        self._unsent: deque = deque()       # frames (or their rest) the pipe had no room for
+        self._room = trio.Event()           # set when there are some (the trio flusher waits)
         self._reader: threading.Thread | None = None
 
     def start(self) -> None:
@@ -99,7 +107,12 @@ class WriterProcess:
         finally:
             os.close(to_child_r)
             os.close(to_parent_w)
-        self._conn = Connection(to_child_w, readable=False)
+        self._out_fd = to_child_w
+        try:                            # in trio: never wait for the pipe (_flush_unsent)
+            trio.lowlevel.spawn_system_task(self._flush_unsent)
+            os.set_blocking(to_child_w, False)
+        except RuntimeError:            # outside trio (tools, tests): plain blocking writes
+            pass
         incoming = Connection(to_parent_r, writable=False)
         self._reader = threading.Thread(target=self._read, args=(incoming,),
                                         name="mountfs-writer-replies", daemon=True)
@@ -120,12 +133,19 @@ class WriterProcess:
             return
         if self._proc.poll() is None:
             try:
-                self._conn.send_bytes(HEADER.pack(STOP, 0))
+                os.set_blocking(self._out_fd, True)
+                self._unsent.append(_frame(STOP, 0))
+                while self._unsent:
+                    _write_all(self._out_fd, self._unsent.popleft())
             except OSError:             # it died: the reader thread has said so
                 pass
         self._proc.wait()
         self._reader.join()
-        self._conn.close()
+        try:
+            trio.lowlevel.notify_closing(self._out_fd)
+        except RuntimeError:            # trio has ended (the mount's last commit)
+            pass
+        os.close(self._out_fd)
         self._proc = None
 
     def _send(self, op: int, step: Step) -> None:
@@ -134,21 +154,55 @@ class WriterProcess:
         ``_steps.pop`` that finds it answers it, once)."""
         self._seq += 1
         step.seq = self._seq
-        frame = io.BytesIO()
-        frame.write(HEADER.pack(op, step.seq))
         try:
-            pickle.dump((step.kind, step.fn, step.args, step.nbytes), frame, protocol=5)
+            frame = _frame(op, step.seq, (step.kind, step.fn, step.args, step.nbytes))
         except Exception as e:          # not data (committer.Step): this call fails
             raise TypeError(f"a {step.kind} step is not data: {step.fn!r}: {e}") from None
         self._steps[step.seq] = step
         if self.failed is None:
             try:
-                self._conn.send_bytes(frame.getbuffer())
+                self._write(frame)
                 return
             except OSError:             # the writer died: its pipe's end is near
                 self._reader.join()
         if self._steps.pop(step.seq, None) is not None:
             self._fail([step])
+
+    def _write(self, frame: memoryview) -> None:
+        """Write ``frame`` after those not yet written; what the pipe has no room for now
+        waits, in order, for ``_flush_unsent``."""
+        if not self._unsent:
+            try:
+                frame = frame[os.write(self._out_fd, frame):]
+            except BlockingIOError:
+                pass
+            if not frame:
+                return
+            if os.get_blocking(self._out_fd):
+                _write_all(self._out_fd, frame)
+                return
+            self._room.set()
+        self._unsent.append(frame)
+
+    async def _flush_unsent(self) -> None:
+        """A trio system task: write the frames the pipe had no room for, as it drains."""
+        while True:
+            await self._room.wait()
+            self._room = trio.Event()
+            while self._unsent:
+                await trio.lowlevel.wait_writable(self._out_fd)
+                try:
+                    done = os.write(self._out_fd, self._unsent[0])
+                except BlockingIOError:
+                    continue
+                except OSError:         # the writer died: the reader thread fails the steps
+                    self._unsent.clear()
+                    break
+                rest = self._unsent[0][done:]
+                if rest:
+                    self._unsent[0] = rest
+                else:
+                    self._unsent.popleft()
 
     # ---- the reader thread -------------------------------------------------------------------
 
@@ -219,6 +273,32 @@ class WriterProcess:
             self._committed(live, 0)    # counted as pending by the engine: never will be
 
 
+def _frame(op: int, seq: int, body=None) -> memoryview:
+    """A frame to the writer: LENGTH, HEADER, the pickled ``body``."""
+    out = io.BytesIO()
+    out.write(bytes(LENGTH.size) + HEADER.pack(op, seq))
+    if body is not None:
+        pickle.dump(body, out, protocol=5)
+    view = out.getbuffer()
+    LENGTH.pack_into(view, 0, len(view) - LENGTH.size)
+    return view
+
+
+def _write_all(fd: int, data) -> None:
+    data = memoryview(data)
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_frame(incoming) -> bytes | None:
+    """The next frame from the mount (without its length), None at the pipe's end."""
+    head = incoming.read(LENGTH.size)
+    if len(head) < LENGTH.size:
+        return None
+    frame = incoming.read(LENGTH.unpack(head)[0])
+    return frame if len(frame) >= HEADER.size else None
+
+
 def _widen(fd: int) -> None:
     try:
         fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
@@ -248,13 +328,12 @@ class _Writer:
             live = store.live_epoch(txn)
         self.committer = Committer(store, live, self._committed, self._ran)
 
-    def serve(self, incoming: Connection) -> None:
+    def serve(self, incoming) -> None:
         self.committer.start()
         try:
             while True:
-                try:
-                    frame = incoming.recv_bytes()
-                except EOFError:        # the mount is gone (it died: we are killed too)
+                frame = _read_frame(incoming)
+                if frame is None:       # the mount is gone (it died: we are killed too)
                     break
                 op, seq = HEADER.unpack_from(frame)
                 if op == STOP:
@@ -331,8 +410,8 @@ def main(argv: list[str]) -> int:
     from . import engine, ops        # noqa: F401  the steps' modules, before the first step
     store = Store.open(path, lock=False)
     try:
-        _Writer(store, Connection(out_fd, readable=False)).serve(
-            Connection(incoming_fd, writable=False))
+        with open(incoming_fd, "rb", buffering=PIPE_BYTES) as incoming:
+            _Writer(store, Connection(out_fd, readable=False)).serve(incoming)
     finally:
         store.close()
     return 0
