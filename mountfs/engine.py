@@ -110,18 +110,12 @@ class Engine:
             blobs = [v.txn.get(digest, db=self.db["blobs"]) for digest in digests]
             if inline and not _in_memory(blobs):
                 return _IN_A_THREAD, digests
-            for digest, data in zip(digests, blobs):
-                if data is None or blake3.blake3(data).digest() != digest:
-                    return digest, digests
-            return None, digests
+            return _first_corrupt(digests, blobs), digests
         bad, digests = await self.look(lambda v: check(v, True), epoch, marks=(ino,))
         if bad is _IN_A_THREAD:
             bad, digests = await self.look(lambda v: check(v, False), epoch, io=True,
                                            marks=(ino,))
-        if bad is not None:
-            log.error("chunk %s is corrupt or missing in the store; run 'mountfs fsck'",
-                      bad.hex())
-            raise FsError(errno.EIO, f"chunk {bad.hex()} is corrupt")
+        _refuse_corrupt(bad)
         self._remember_verified(digests)
 
     def _remember_verified(self, digests: list[bytes]) -> None:
@@ -208,10 +202,7 @@ class Engine:
         a write would otherwise cost a synced commit). The writer checks each chunk's digest
         there, so what it sends back counts as checked (``verify``)."""
         bad, data, digests = await self._submit(Step(LOOK, _checked_read, (ino, off, end, size)))
-        if bad is not None:
-            log.error("chunk %s is corrupt or missing in the store; run 'mountfs fsck'",
-                      bad.hex())
-            raise FsError(errno.EIO, f"chunk {bad.hex()} is corrupt")
+        _refuse_corrupt(bad)
         self._remember_verified(digests)
         return data
 
@@ -509,13 +500,26 @@ def _checked_read(view: View, ino: int, off: int, end: int, size: int):
     """A LOOK step: ``(None, bytes [off, end) of ino, digests of the chunks under them)``
     with every such chunk checked against its digest, or ``(the digest of one that is
     corrupt or missing, None, None)``."""
-    cs, digests = view.chunk_size, []
-    for idx in range(off // cs, (end - 1) // cs + 1):
-        c = view.chunk(ino, idx)
-        if c is None:
-            continue
-        data = view.txn.get(c[0], db=view.db["blobs"])
-        if data is None or blake3.blake3(data).digest() != c[0]:
-            return c[0], None, None
-        digests.append(c[0])
+    cs = view.chunk_size
+    chunks = (view.chunk(ino, idx) for idx in range(off // cs, (end - 1) // cs + 1))
+    digests = [c[0] for c in chunks if c is not None]
+    bad = _first_corrupt(digests, [view.txn.get(d, db=view.db["blobs"]) for d in digests])
+    if bad is not None:
+        return bad, None, None
     return None, view.read(ino, off, end - off, size), digests
+
+
+def _first_corrupt(digests: list[bytes], blobs: list) -> bytes | None:
+    """The first of ``digests`` whose blob is missing (None) or does not hash to it."""
+    for digest, data in zip(digests, blobs):
+        if data is None or blake3.blake3(data).digest() != digest:
+            return digest
+    return None
+
+
+def _refuse_corrupt(bad: bytes | None) -> None:
+    """EIO (and a log line) for a chunk found corrupt or missing, never its data."""
+    if bad is not None:
+        log.error("chunk %s is corrupt or missing in the store; run 'mountfs fsck'",
+                  bad.hex())
+        raise FsError(errno.EIO, f"chunk {bad.hex()} is corrupt")

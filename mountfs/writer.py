@@ -35,6 +35,7 @@ still answered before their commit (``Committer.answers_early``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -108,11 +109,11 @@ class WriterProcess:
             os.close(to_child_r)
             os.close(to_parent_w)
         self._out_fd = to_child_w
-        try:                            # in trio: never wait for the pipe (_flush_unsent)
+        # In trio, never wait for the pipe (_flush_unsent); outside it (tools, tests) the
+        # writes block.
+        with contextlib.suppress(RuntimeError):
             trio.lowlevel.spawn_system_task(self._flush_unsent)
             os.set_blocking(to_child_w, False)
-        except RuntimeError:            # outside trio (tools, tests): plain blocking writes
-            pass
         incoming = Connection(to_parent_r, writable=False)
         self._reader = threading.Thread(target=self._read, args=(incoming,),
                                         name="mountfs-writer-replies", daemon=True)
@@ -132,19 +133,15 @@ class WriterProcess:
         if self._proc is None:
             return
         if self._proc.poll() is None:
-            try:
+            with contextlib.suppress(OSError):     # it died: the reader thread has said so
                 os.set_blocking(self._out_fd, True)
                 self._unsent.append(_frame(STOP, 0))
                 while self._unsent:
                     _write_all(self._out_fd, self._unsent.popleft())
-            except OSError:             # it died: the reader thread has said so
-                pass
         self._proc.wait()
         self._reader.join()
-        try:
+        with contextlib.suppress(RuntimeError):   # trio has ended (the mount's last commit)
             trio.lowlevel.notify_closing(self._out_fd)
-        except RuntimeError:            # trio has ended (the mount's last commit)
-            pass
         os.close(self._out_fd)
         self._proc = None
 
@@ -172,10 +169,8 @@ class WriterProcess:
         """Write ``frame`` after those not yet written; what the pipe has no room for now
         waits, in order, for ``_flush_unsent``."""
         if not self._unsent:
-            try:
+            with contextlib.suppress(BlockingIOError):
                 frame = frame[os.write(self._out_fd, frame):]
-            except BlockingIOError:
-                pass
             if not frame:
                 return
             if os.get_blocking(self._out_fd):
@@ -300,10 +295,8 @@ def _read_frame(incoming) -> bytes | None:
 
 
 def _widen(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):  # above /proc/sys/fs/pipe-max-size: the default stays
         fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
-    except OSError:                     # above /proc/sys/fs/pipe-max-size: the default stays
-        pass
 
 
 def _in_child() -> None:

@@ -24,6 +24,7 @@ Root and FUSE, like bench_io.py (whose helpers it uses).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import shutil
@@ -47,10 +48,8 @@ def thread_cpu(pid: int) -> dict[int, tuple[float, float]]:
         except FileNotFoundError:
             children = []
         for child in children:
-            try:
+            with contextlib.suppress(FileNotFoundError):   # it exited meanwhile
                 out.update(thread_cpu(int(child)))
-            except FileNotFoundError:       # it exited meanwhile
-                pass
         try:
             stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
         except FileNotFoundError:           # the thread ended between listing and reading
