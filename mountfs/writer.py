@@ -15,19 +15,27 @@ How:
   alone, every later change fails (EIO) and the mount must be remounted, as after a failed
   commit;
 * steps travel as data (``committer.Step``: a module-level function and plain arguments),
-  pickled; the trio thread never waits for the pipe: what does not fit is kept in order
-  and written as the writer reads (a trio system task; during a 1 GiB write the blocking
-  writes had held the trio loop up to 0.19 s at a time); what a step wrote (marks, records) and
-  its result come back, and the mount's committer thread of old is this module's reader
-  thread, calling the engine's callbacks the same way;
+  pickled; the trio thread never waits for the pipe: what does not fit, and every step
+  carrying chunk data, is kept in order and written by a worker thread as the writer reads
+  (during a 1 GiB write, blocking writes had held the trio loop up to 0.19 s at a time);
+  what a step wrote (marks, records) and its result come back, and the mount's committer
+  thread of old is this module's reader thread, calling the engine's callbacks the same
+  way;
 * the mount reads the committed tree through its own LMDB environment (LMDB's readers are
   multi-process); a file's data an uncommitted change wrote is read by the writer (a LOOK
   step, ``Engine.read_uncommitted``), anything else such a change wrote after a commit
   (``Engine.look``).
 
 Frames, mount -> writer: their length (``LENGTH``), a header (``HEADER``: PUT, POST or STOP,
-and the step's number) and the pickled ``(kind, fn, args, nbytes)`` (a frame the writer cannot read fails that step
-alone, as a step that raised would). Writer -> mount, ``multiprocessing.connection`` frames, pickled: ``("reply", outcome, ok)``,
+the step's number, the length of what is pickled), the pickled ``(kind, fn, args, nbytes)``,
+then the step's chunk data, raw. A step carrying data pickles each large ``bytes`` as a
+reference to its place after the pickle (``_DataPickler``): a 1 MiB chunk is copied neither
+into the pickle by the mount nor out of it by the writer, and a worker thread, not the trio
+thread, copies it into the pipe (those copies took the trio thread, which serves every
+request, from 0.35 to 0.63 s per GiB written: docs/benchmarks.md, eleventh round). A frame
+the writer cannot read fails that step alone, as a step that raised would.
+
+Writer -> mount, ``multiprocessing.connection`` frames, pickled: ``("reply", outcome, ok)``,
 ``("ran", [outcome, ...], ok)``, ``("committed", n, txn_no, ok)``, where ``outcome`` is
 ``(seq, result, error, marks, records, txn_no, live)`` and ``ok`` is whether changes are
 still answered before their commit (``Committer.answers_early``).
@@ -40,9 +48,11 @@ import ctypes
 import errno
 import fcntl
 import io
+import itertools
 import logging
 import os
 import pickle
+import select
 import signal
 import struct
 import subprocess
@@ -66,10 +76,12 @@ NICE = 10                   # the writer's niceness: a thread of the request cha
                             # 3.96-4.36 s instead of 3.53-3.74 (docs/benchmarks.md, tenth
                             # round). Under full load it still gets about a tenth of a core.
 LENGTH = struct.Struct(">I")      # of what follows in a frame to the writer
-HEADER = struct.Struct("<BQ")     # what the mount sends: PUT, POST or STOP, the step's number
+HEADER = struct.Struct("<BQI")    # PUT, POST or STOP; the step's number; the pickle's length
 PUT, POST, STOP = 0, 1, 2
 _PR_SET_PDEATHSIG = 1
 _F_SETPIPE_SZ = 1031
+RAW_BYTES = 64 << 10        # a step's data (bytes) at least this long travels raw
+_IOV_MAX = 64               # pieces written by one writev
 
 
 class WriterProcess:
@@ -88,7 +100,8 @@ class WriterProcess:
         self.failed: BaseException | None = None
         self._proc: subprocess.Popen | None = None
         self._out_fd = -1
-        self._unsent: deque = deque()       # frames (or their rest) the pipe had no room for
+        self._unsent: deque = deque()       # pieces of frames waiting for _flush_unsent
+        self._flushing = False              # _flush_unsent is writing (in a worker thread)
         self._room = trio.Event()           # set when there are some (the trio flusher waits)
         self._reader: threading.Thread | None = None
 
@@ -135,9 +148,8 @@ class WriterProcess:
         if self._proc.poll() is None:
             with contextlib.suppress(OSError):     # it died: the reader thread has said so
                 os.set_blocking(self._out_fd, True)
-                self._unsent.append(_frame(STOP, 0))
-                while self._unsent:
-                    _write_all(self._out_fd, self._unsent.popleft())
+                self._unsent.extend(_frame(STOP, 0))
+                _write_all(self._out_fd, self._unsent)
         self._proc.wait()
         self._reader.join()
         with contextlib.suppress(RuntimeError):   # trio has ended (the mount's last commit)
@@ -152,7 +164,8 @@ class WriterProcess:
         self._seq += 1
         step.seq = self._seq
         try:
-            frame = _frame(op, step.seq, (step.kind, step.fn, step.args, step.nbytes))
+            frame = _frame(op, step.seq, (step.kind, step.fn, step.args, step.nbytes),
+                           raw=step.nbytes >= RAW_BYTES)
         except Exception as e:          # not data (committer.Step): this call fails
             raise TypeError(f"a {step.kind} step is not data: {step.fn!r}: {e}") from None
         self._steps[step.seq] = step
@@ -165,39 +178,40 @@ class WriterProcess:
         if self._steps.pop(step.seq, None) is not None:
             self._fail([step])
 
-    def _write(self, frame: memoryview) -> None:
-        """Write ``frame`` after those not yet written; what the pipe has no room for now
-        waits, in order, for ``_flush_unsent``."""
-        if not self._unsent:
+    def _write(self, frame: list[memoryview]) -> None:
+        """Write ``frame`` (its pieces) after those not yet written. In trio, a frame that
+        carries chunk data, or finds the pipe full, waits in order for ``_flush_unsent``."""
+        if os.get_blocking(self._out_fd):
+            _write_all(self._out_fd, deque(frame))
+            return
+        if len(frame) == 1 and not self._unsent and not self._flushing:
+            frame = deque(frame)
             with contextlib.suppress(BlockingIOError):
-                frame = frame[os.write(self._out_fd, frame):]
+                _written(frame, os.writev(self._out_fd, frame))
             if not frame:
                 return
-            if os.get_blocking(self._out_fd):
-                _write_all(self._out_fd, frame)
-                return
-            self._room.set()
-        self._unsent.append(frame)
+        self._unsent.extend(frame)
+        self._room.set()
 
     async def _flush_unsent(self) -> None:
-        """A trio system task: write the frames the pipe had no room for, as it drains."""
+        """A trio system task: write what waits in ``_unsent``, in a worker thread. Copying
+        a 1 MiB chunk into the pipe takes the writing thread about 0.15 ms, during which
+        the trio thread would serve no request (docs/benchmarks.md, eleventh round)."""
         while True:
             await self._room.wait()
             self._room = trio.Event()
             while self._unsent:
-                await trio.lowlevel.wait_writable(self._out_fd)
+                pieces, self._unsent = self._unsent, deque()
+                self._flushing = True
                 try:
-                    done = os.write(self._out_fd, self._unsent[0])
-                except BlockingIOError:
-                    continue
+                    await trio.to_thread.run_sync(_write_when_room, self._out_fd, pieces)
                 except OSError:         # the writer died: the reader thread fails the steps
+                    pieces.clear()
                     self._unsent.clear()
                     break
-                rest = self._unsent[0][done:]
-                if rest:
-                    self._unsent[0] = rest
-                else:
-                    self._unsent.popleft()
+                finally:
+                    self._flushing = False
+                    self._unsent.extendleft(reversed(pieces))   # not written: cancelled
 
     # ---- the reader thread -------------------------------------------------------------------
 
@@ -268,21 +282,78 @@ class WriterProcess:
             self._committed(live, 0)    # counted as pending by the engine: never will be
 
 
-def _frame(op: int, seq: int, body=None) -> memoryview:
-    """A frame to the writer: LENGTH, HEADER, the pickled ``body``."""
+def _frame(op: int, seq: int, body=None, raw: bool = False) -> list[memoryview]:
+    """A frame to the writer, in pieces: LENGTH, HEADER and the pickled ``body``; with
+    ``raw``, then each large ``bytes`` in ``body``, uncopied."""
     out = io.BytesIO()
-    out.write(bytes(LENGTH.size) + HEADER.pack(op, seq))
+    out.write(bytes(LENGTH.size + HEADER.size))
+    pieces: list[bytes] = []
     if body is not None:
-        pickle.dump(body, out, protocol=5)
-    view = out.getbuffer()
-    LENGTH.pack_into(view, 0, len(view) - LENGTH.size)
-    return view
+        (_DataPickler(out, pieces) if raw else pickle.Pickler(out, protocol=5)).dump(body)
+    head = out.getbuffer()
+    size = len(head) + sum(map(len, pieces))
+    LENGTH.pack_into(head, 0, size - LENGTH.size)
+    HEADER.pack_into(head, LENGTH.size, op, seq, len(head) - LENGTH.size - HEADER.size)
+    return [head, *map(memoryview, pieces)]
 
 
-def _write_all(fd: int, data) -> None:
-    data = memoryview(data)
-    while data:
-        data = data[os.write(fd, data):]
+class _DataPickler(pickle.Pickler):
+    """Pickles each ``bytes`` of at least RAW_BYTES as ``(offset, length)`` of its place
+    among the raw pieces that follow the pickle (appended to ``pieces``)."""
+
+    def __init__(self, out, pieces: list):
+        super().__init__(out, protocol=5)
+        self.pieces = pieces
+        self.offset = 0
+
+    def persistent_id(self, obj):
+        if type(obj) is not bytes or len(obj) < RAW_BYTES:
+            return None
+        self.pieces.append(obj)
+        self.offset += len(obj)
+        return self.offset - len(obj), len(obj)
+
+
+class _DataUnpickler(pickle.Unpickler):
+    """The writer's side of _DataPickler: each reference becomes a view of the frame."""
+
+    def __init__(self, pickled, data: memoryview):
+        super().__init__(io.BytesIO(pickled))
+        self.data = data
+
+    def persistent_load(self, pid):
+        offset, length = pid
+        if not (0 <= offset and 0 <= length and offset + length <= len(self.data)):
+            raise pickle.UnpicklingError(f"data reference {pid} outside the frame")
+        return self.data[offset:offset + length]
+
+
+def _written(pieces: deque, done: int) -> None:
+    """Drop the first ``done`` bytes of ``pieces``."""
+    while done:
+        first = pieces[0]
+        if done < len(first):
+            pieces[0] = first[done:]
+            return
+        done -= len(first)
+        pieces.popleft()
+
+
+def _write_all(fd: int, pieces: deque) -> None:
+    while pieces:
+        _written(pieces, os.writev(fd, list(itertools.islice(pieces, _IOV_MAX))))
+
+
+def _write_when_room(fd: int, pieces: deque) -> None:
+    """Write ``pieces`` to the non-blocking ``fd``, waiting for room as the writer reads
+    (in a worker thread; what is written leaves ``pieces``)."""
+    room = select.poll()
+    room.register(fd, select.POLLOUT)
+    while pieces:
+        try:
+            _written(pieces, os.writev(fd, list(itertools.islice(pieces, _IOV_MAX))))
+        except BlockingIOError:
+            room.poll()
 
 
 def _read_frame(incoming) -> bytes | None:
@@ -292,6 +363,14 @@ def _read_frame(incoming) -> bytes | None:
         return None
     frame = incoming.read(LENGTH.unpack(head)[0])
     return frame if len(frame) >= HEADER.size else None
+
+
+def _body(frame: memoryview, pickled: int):
+    """The step a frame's body (after HEADER) holds: ``pickled`` bytes of pickle, then the
+    raw data it refers to, if any."""
+    if len(frame) == pickled:
+        return pickle.loads(frame)
+    return _DataUnpickler(frame[:pickled], frame[pickled:]).load()
 
 
 def _widen(fd: int) -> None:
@@ -328,16 +407,16 @@ class _Writer:
                 frame = _read_frame(incoming)
                 if frame is None:       # the mount is gone (it died: we are killed too)
                     break
-                op, seq = HEADER.unpack_from(frame)
+                op, seq, pickled = HEADER.unpack_from(frame)
                 if op == STOP:
                     break
-                self._submit(op, seq, memoryview(frame)[HEADER.size:])
+                self._submit(op, seq, memoryview(frame)[HEADER.size:], pickled)
         finally:
             self.committer.stop()
 
-    def _submit(self, op: int, seq: int, body) -> None:
+    def _submit(self, op: int, seq: int, body: memoryview, pickled: int) -> None:
         try:
-            kind, fn, args, nbytes = pickle.loads(body)
+            kind, fn, args, nbytes = _body(body, pickled)
         except Exception as e:          # a bug: this step fails, as if it had raised
             kind, fn, args, nbytes = LIVE, _unreadable, (f"{type(e).__name__}: {e}",), 0
         if op == POST:

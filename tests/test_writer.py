@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import queue
 import signal
 import stat
@@ -14,13 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 
 from conftest import cli, fsck_clean
 from mountfs import schema as S
+from mountfs import writer as writer_frames
 from mountfs.committer import LIVE, Step
+from mountfs.filecache import _commit_chunks, chunk_digest
 from mountfs.namespace import FsError, Live, View
 from mountfs.store import Store
-from mountfs.writer import WriterProcess
+from mountfs.writer import RAW_BYTES, WriterProcess
 
 
 def writer_pid(mount_pid: int) -> int:
@@ -119,3 +123,96 @@ def test_a_step_that_is_not_data_is_refused_where_it_is_sent(tmp_path):
         assert view.lookup(S.ROOT_INO, b"data") and view.lookup(S.ROOT_INO, name) is None
     store.close()
     fsck_clean(path)
+
+
+def _chunk_step(ino: int, chunks: list[bytes], done) -> Step:
+    """A step committing ``chunks`` as ``ino``'s data: more than the pipe holds."""
+    return Step(LIVE, _commit_chunks,
+                (ino, [(idx, chunk_digest(data), data) for idx, data in enumerate(chunks)],
+                 sum(map(len, chunks)), sum(map(len, chunks)), 1, True),
+                nbytes=sum(map(len, chunks)), done=done)
+
+
+def _answers(replies: queue.SimpleQueue, n: int, within: float = 60.0) -> list[Step]:
+    """The next ``n`` answered steps, all within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    return [replies.get(timeout=max(0.0, deadline - time.monotonic())) for _ in range(n)]
+
+
+def _create_step(name: bytes, done) -> Step:
+    return Step(LIVE, Live.create, (S.ROOT_INO, name, stat.S_IFREG | 0o644, 0, 0), done=done)
+
+
+@pytest.mark.parametrize("in_trio", [False, True], ids=["blocking", "trio"])
+def test_chunk_data_crosses_to_the_writer_intact_and_in_order(tmp_path, in_trio):
+    """A step's chunk data travels after its pickle, uncopied. In trio a worker thread
+    writes it, waiting for the writer to drain the pipe (which holds 1 MiB, the step
+    carries 3), and the small steps sent meanwhile wait behind it: one of them written
+    into the pipe in the middle of the data would garble every later frame."""
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path)
+    with store.read() as txn:
+        live = store.live_epoch(txn)
+    chunks = [os.urandom(store.chunk_size) for _ in range(3)]
+    names = [b"after%d" % n for n in range(20)]
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    writer = WriterProcess(store, lambda n, txn_no: None, lambda steps: None)
+
+    def create_big_file() -> int:
+        writer.start()
+        writer.put(_create_step(b"big", replies.put))
+        return replies.get(timeout=60).result[0]
+
+    def blocking() -> int:
+        ino = create_big_file()
+        writer.put(_chunk_step(ino, chunks, replies.put))
+        for name in names:
+            writer.put(_create_step(name, replies.put))
+        return ino
+
+    async def from_trio() -> tuple[int, list[Step]]:
+        ino = create_big_file()
+        writer.put(_chunk_step(ino, chunks, replies.put))
+        for name in names:
+            await trio.sleep(0)         # the flusher's thread is writing the data meanwhile
+            writer.put(_create_step(name, replies.put))
+        return ino, await trio.to_thread.run_sync(_answers, replies, 1 + len(names))
+
+    try:
+        if in_trio:
+            ino, answered = trio.run(from_trio)
+        else:
+            ino = blocking()
+            answered = _answers(replies, 1 + len(names))
+    except BaseException:
+        writer._proc.kill()         # a garbled frame leaves it waiting for bytes never sent
+        raise
+    finally:
+        writer.stop()
+    assert [step.error for step in answered] == [None] * len(answered)
+    assert [step.seq for step in answered] == sorted(step.seq for step in answered)
+    with store.read() as txn:
+        view = View(txn, store.db, live, store.chunk_size)
+        assert [view.chunk_data(ino, idx) for idx in range(3)] == chunks
+        assert view.inode(ino).size == 3 * store.chunk_size
+        assert all(view.lookup(S.ROOT_INO, name) for name in names)
+    store.close()
+    fsck_clean(path)
+
+
+def test_a_frame_refers_to_its_data_without_copying_it():
+    """The mount's side hands the chunk's own bytes to the pipe; the writer's side reads
+    it as a view of the frame; a reference outside the frame is refused."""
+    data, small = os.urandom(RAW_BYTES), os.urandom(RAW_BYTES - 1)
+    pieces = writer_frames._frame(0, 7, ("x", "f", ([(0, b"d", data)], small), 1), raw=True)
+    assert len(pieces) == 2 and pieces[1].obj is data
+    frame = b"".join(pieces)[writer_frames.LENGTH.size:]
+    op, seq, pickled = writer_frames.HEADER.unpack_from(frame)
+    body = writer_frames._body(memoryview(frame)[writer_frames.HEADER.size:], pickled)
+    (_, _, ((chunks, got_small)), _) = body
+    assert (op, seq) == (0, 7) and isinstance(chunks[0][2], memoryview)
+    assert bytes(chunks[0][2]) == data and got_small == small
+    cut = memoryview(frame)[writer_frames.HEADER.size:-1]     # the data one byte short
+    with pytest.raises(pickle.UnpicklingError, match="outside the frame"):
+        writer_frames._body(cut, pickled)
