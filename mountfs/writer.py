@@ -76,7 +76,8 @@ NICE = 10                   # the writer's niceness: a thread of the request cha
                             # 3.96-4.36 s instead of 3.53-3.74 (docs/benchmarks.md, tenth
                             # round). Under full load it still gets about a tenth of a core.
 LENGTH = struct.Struct(">I")      # of what follows in a frame to the writer
-HEADER = struct.Struct("<BQI")    # PUT, POST or STOP; the step's number; the pickle's length
+HEADER = struct.Struct(">BQI")    # PUT, POST or STOP; the step's number; the pickle's length
+_HEAD = struct.Struct(">IBQI")    # LENGTH and HEADER in one, for small frames
 PUT, POST, STOP = 0, 1, 2
 _PR_SET_PDEATHSIG = 1
 _F_SETPIPE_SZ = 1031
@@ -101,6 +102,7 @@ class WriterProcess:
         self._proc: subprocess.Popen | None = None
         self._out_fd = -1
         self._unsent: deque = deque()       # pieces of frames waiting for _flush_unsent
+        self._raw_unsent = 0                # frames with chunk data among them
         self._flushing = False              # _flush_unsent is writing (in a worker thread)
         self._room = trio.Event()           # set when there are some (the trio flusher waits)
         self._reader: threading.Thread | None = None
@@ -133,10 +135,15 @@ class WriterProcess:
         self._reader.start()
 
     def put(self, step: Step) -> None:
-        self._send(PUT, step)
+        """Send a step whose caller waits for it: written now if the pipe has room."""
+        self._send(PUT, step, now=True)
 
     def post(self, step: Step) -> None:
-        self._send(POST, step)
+        """Send a posted step: written once the trio thread has answered the call that
+        posted it (``_flush_unsent`` runs in trio's next round). Writing to the pipe wakes
+        the writer, which took about 9 µs of the trio thread per step (two per created
+        file), and nothing waits for a posted step."""
+        self._send(POST, step, now=False)
 
     def answers_early(self) -> bool:
         return self._answers_early and self.failed is None
@@ -157,7 +164,7 @@ class WriterProcess:
         os.close(self._out_fd)
         self._proc = None
 
-    def _send(self, op: int, step: Step) -> None:
+    def _send(self, op: int, step: Step, now: bool) -> None:
         """Send a step; if the writer is gone, fail it (at once, or through the reader
         thread, which fails every step it finds waiting when the writer's pipe ends: the
         ``_steps.pop`` that finds it answers it, once)."""
@@ -171,37 +178,50 @@ class WriterProcess:
         self._steps[step.seq] = step
         if self.failed is None:
             try:
-                self._write(frame)
+                self._write(frame, now)
                 return
             except OSError:             # the writer died: its pipe's end is near
                 self._reader.join()
         if self._steps.pop(step.seq, None) is not None:
             self._fail([step])
 
-    def _write(self, frame: list[memoryview]) -> None:
-        """Write ``frame`` (its pieces) after those not yet written. In trio, a frame that
-        carries chunk data, or finds the pipe full, waits in order for ``_flush_unsent``."""
+    def _write(self, frame: list[memoryview], now: bool) -> None:
+        """Write ``frame`` (its pieces) after those not yet written: ``now`` if it can be
+        (outside trio, always). In trio, the rest waits in order for ``_flush_unsent``."""
         if os.get_blocking(self._out_fd):
             _write_all(self._out_fd, deque(frame))
             return
-        if len(frame) == 1 and not self._unsent and not self._flushing:
-            frame = deque(frame)
-            with contextlib.suppress(BlockingIOError):
-                _written(frame, os.writev(self._out_fd, frame))
-            if not frame:
-                return
         self._unsent.extend(frame)
+        self._raw_unsent += len(frame) > 1
+        if now and not self._raw_unsent and not self._flushing:
+            self._write_small()
+            if not self._unsent:
+                return
         self._room.set()
 
+    def _write_small(self) -> None:
+        """On the trio thread, write what the pipe has room for of ``_unsent`` (no chunk
+        data among it)."""
+        with contextlib.suppress(BlockingIOError):
+            while self._unsent:
+                _written(self._unsent,
+                         os.writev(self._out_fd, list(itertools.islice(self._unsent, _IOV_MAX))))
+
     async def _flush_unsent(self) -> None:
-        """A trio system task: write what waits in ``_unsent``, in a worker thread. Copying
-        a 1 MiB chunk into the pipe takes the writing thread about 0.15 ms, during which
-        the trio thread would serve no request (docs/benchmarks.md, eleventh round)."""
+        """A trio system task: write what waits in ``_unsent``; chunk data, or whatever
+        finds the pipe full, in a worker thread. Copying a 1 MiB chunk into the pipe takes
+        the writing thread about 0.15 ms, during which the trio thread would serve no
+        request (docs/benchmarks.md, eleventh round)."""
         while True:
             await self._room.wait()
             self._room = trio.Event()
+            if not self._raw_unsent:
+                try:
+                    self._write_small()
+                except OSError:         # the writer died: the reader thread fails the steps
+                    self._unsent.clear()
             while self._unsent:
-                pieces, self._unsent = self._unsent, deque()
+                pieces, self._unsent, self._raw_unsent = self._unsent, deque(), 0
                 self._flushing = True
                 try:
                     await trio.to_thread.run_sync(_write_when_room, self._out_fd, pieces)
@@ -211,7 +231,9 @@ class WriterProcess:
                     break
                 finally:
                     self._flushing = False
-                    self._unsent.extendleft(reversed(pieces))   # not written: cancelled
+                    if pieces:                  # not written: cancelled (the mount ends)
+                        self._unsent.extendleft(reversed(pieces))
+                        self._raw_unsent += 1
 
     # ---- the reader thread -------------------------------------------------------------------
 
@@ -285,11 +307,14 @@ class WriterProcess:
 def _frame(op: int, seq: int, body=None, raw: bool = False) -> list[memoryview]:
     """A frame to the writer, in pieces: LENGTH, HEADER and the pickled ``body``; with
     ``raw``, then each large ``bytes`` in ``body``, uncopied."""
+    if not raw:                 # most steps: one piece, built the quickest way
+        pickled = pickle.dumps(body, protocol=5) if body is not None else b""
+        return [memoryview(_HEAD.pack(HEADER.size + len(pickled), op, seq, len(pickled))
+                           + pickled)]
     out = io.BytesIO()
     out.write(bytes(LENGTH.size + HEADER.size))
     pieces: list[bytes] = []
-    if body is not None:
-        (_DataPickler(out, pieces) if raw else pickle.Pickler(out, protocol=5)).dump(body)
+    _DataPickler(out, pieces).dump(body)
     head = out.getbuffer()
     size = len(head) + sum(map(len, pieces))
     LENGTH.pack_into(head, 0, size - LENGTH.size)
