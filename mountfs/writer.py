@@ -82,6 +82,13 @@ PUT, POST, STOP = 0, 1, 2
 _PR_SET_PDEATHSIG = 1
 _F_SETPIPE_SZ = 1031
 RAW_BYTES = 64 << 10        # a step's data (bytes) at least this long travels raw
+POST_DELAY = 0.002          # posted steps wait this long to go to the writer together: one
+                            # pipe write and one wake-up of the writer for several of them.
+                            # 10,000 creates took 3.18-3.27 s instead of 3.40-3.45 (a wake-up
+                            # of the writer costs the request chain its core for a moment on
+                            # a 2-core machine; docs/benchmarks.md, eleventh round). Nothing
+                            # waits for a posted step: a step sent with ``put`` takes them all
+                            # along at once, and commits wait COMMIT_DELAY anyway.
 _IOV_MAX = 64               # pieces written by one writev
 
 
@@ -103,6 +110,7 @@ class WriterProcess:
         self._out_fd = -1
         self._unsent: deque = deque()       # pieces of frames waiting for _flush_unsent
         self._raw_unsent = 0                # frames with chunk data among them
+        self._in_trio = False               # started in trio: the pipe is non-blocking
         self._flushing = False              # _flush_unsent is writing (in a worker thread)
         self._room = trio.Event()           # set when there are some (the trio flusher waits)
         self._reader: threading.Thread | None = None
@@ -129,6 +137,7 @@ class WriterProcess:
         with contextlib.suppress(RuntimeError):
             trio.lowlevel.spawn_system_task(self._flush_unsent)
             os.set_blocking(to_child_w, False)
+            self._in_trio = True
         incoming = Connection(to_parent_r, writable=False)
         self._reader = threading.Thread(target=self._read, args=(incoming,),
                                         name="mountfs-writer-replies", daemon=True)
@@ -139,10 +148,11 @@ class WriterProcess:
         self._send(PUT, step, now=True)
 
     def post(self, step: Step) -> None:
-        """Send a posted step: written once the trio thread has answered the call that
-        posted it (``_flush_unsent`` runs in trio's next round). Writing to the pipe wakes
-        the writer, which took about 9 µs of the trio thread per step (two per created
-        file), and nothing waits for a posted step."""
+        """Send a posted step: written by ``_flush_unsent`` within POST_DELAY, after the
+        call that posted it is answered, with the others posted meanwhile (or at once
+        with the next ``put``). Writing to the pipe took about 9 µs of the trio thread per
+        step (two per created file) and woke the writer each time; nothing waits for a
+        posted step."""
         self._send(POST, step, now=False)
 
     def answers_early(self) -> bool:
@@ -155,6 +165,7 @@ class WriterProcess:
         if self._proc.poll() is None:
             with contextlib.suppress(OSError):     # it died: the reader thread has said so
                 os.set_blocking(self._out_fd, True)
+                self._in_trio = False
                 self._unsent.extend(_frame(STOP, 0))
                 _write_all(self._out_fd, self._unsent)
         self._proc.wait()
@@ -188,7 +199,7 @@ class WriterProcess:
     def _write(self, frame: list[memoryview], now: bool) -> None:
         """Write ``frame`` (its pieces) after those not yet written: ``now`` if it can be
         (outside trio, always). In trio, the rest waits in order for ``_flush_unsent``."""
-        if os.get_blocking(self._out_fd):
+        if not self._in_trio:
             _write_all(self._out_fd, deque(frame))
             return
         self._unsent.extend(frame)
@@ -208,12 +219,14 @@ class WriterProcess:
                          os.writev(self._out_fd, list(itertools.islice(self._unsent, _IOV_MAX))))
 
     async def _flush_unsent(self) -> None:
-        """A trio system task: write what waits in ``_unsent``; chunk data, or whatever
-        finds the pipe full, in a worker thread. Copying a 1 MiB chunk into the pipe takes
-        the writing thread about 0.15 ms, during which the trio thread would serve no
-        request (docs/benchmarks.md, eleventh round)."""
+        """A trio system task: write what waits in ``_unsent``: posted steps after
+        POST_DELAY; chunk data, or whatever finds the pipe full, in a worker thread (copying
+        a 1 MiB chunk into the pipe takes the writing thread about 0.15 ms, during which
+        the trio thread would serve no request: docs/benchmarks.md, eleventh round)."""
         while True:
             await self._room.wait()
+            if not self._raw_unsent:
+                await trio.sleep(POST_DELAY)
             self._room = trio.Event()
             if not self._raw_unsent:
                 try:

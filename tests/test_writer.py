@@ -60,6 +60,34 @@ def test_the_writer_dies_with_the_mount_and_the_store_mounts_again(make_mount):
     assert (m.mnt / "kept").read_bytes() == b"fsynced"
 
 
+def test_posted_steps_go_to_the_writer_by_themselves(tmp_path):
+    """Posted steps wait in the mount a moment (POST_DELAY) to go to the writer together;
+    they must then go by themselves, not only along with a later awaited step."""
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path)
+    ran: list[Step] = []
+    writer = WriterProcess(store, lambda n, txn_no: None, ran.extend)
+
+    async def post_and_wait() -> int:
+        writer.start()
+        for name in (b"a", b"b", b"c"):
+            writer.post(Step(LIVE, Live.create, (S.ROOT_INO, name, stat.S_IFREG | 0o644,
+                                                 0, 0), posted=((S.ROOT_INO, name),)))
+        with trio.move_on_after(30):
+            while len(ran) < 3:
+                await trio.sleep(0.01)
+        return len(ran)         # before stop(), which sends whatever is left
+
+    try:
+        arrived = trio.run(post_and_wait)
+    finally:
+        writer.stop()
+    assert arrived == 3, "posted steps never reached the writer"
+    assert [step.error for step in ran] == [None] * 3
+    store.close()
+
+
 def test_a_writer_killed_alone_fails_changes_and_the_log_says_why(make_mount):
     m = make_mount()
     (m.mnt / "d").mkdir()
