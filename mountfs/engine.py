@@ -434,11 +434,17 @@ class Engine:
         self._gc_wakeup.set()
 
     async def syncer(self) -> None:
-        """Bound what a power loss can take to about SYNC_INTERVAL of metadata."""
+        """Bound what a power loss can take to about SYNC_INTERVAL of metadata. Once the
+        writer has failed (it died, or a commit failed: logged then), there is nothing
+        left to sync, and the mount goes on serving reads."""
         while True:
             await trio.sleep(SYNC_INTERVAL)
-            if self._unsynced:
-                await self.sync()
+            if self._unsynced and self._committer.failed is None:
+                try:
+                    await self.sync()
+                except FsError:
+                    if self._committer.failed is None:
+                        raise
 
     async def collector(self) -> None:
         """Reclaim deleted snapshots' versions and purge deleted files, in short batches."""
@@ -453,6 +459,8 @@ class Engine:
             try:
                 await self._collect(token)
             except FsError as e:
+                if self._committer.failed is not None:      # logged when it failed
+                    return
                 log.warning("garbage collection paused: %s", e)
                 await trio.sleep(10)
 

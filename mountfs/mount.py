@@ -239,7 +239,10 @@ async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> Non
             await engine.files.flush_all()
         except FsError as e:
             log.error("could not flush buffered data at unmount: %s", e)
-        await engine.sync()         # a no-op on a read-only store
+        try:
+            await engine.sync()     # a no-op on a read-only store
+        except FsError as e:        # the writer failed (logged then) or the disk did
+            log.error("could not sync the store at unmount: %s", e)
         nursery.cancel_scope.cancel()
 
 

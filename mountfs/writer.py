@@ -304,8 +304,9 @@ class WriterProcess:
     def _fail(self, steps: list[Step]) -> None:
         """Answer ``steps`` with ``failed``, as the committer answers steps it refuses."""
         posted = []
-        for step in steps:
-            step.error, step.replied = self.failed, True
+        for step in steps:       # an error each: one raised again and again keeps every
+            step.error = FsError(*self.failed.args)     # traceback it was raised through
+            step.replied = True
             if step.posted is not None:
                 posted.append(step)
             else:

@@ -21,6 +21,7 @@ from conftest import cli, fsck_clean
 from mountfs import schema as S
 from mountfs import writer as writer_frames
 from mountfs.committer import LIVE, Step
+from mountfs.engine import SYNC_INTERVAL
 from mountfs.filecache import _commit_chunks, chunk_digest
 from mountfs.namespace import FsError, Live, View
 from mountfs.store import Store
@@ -105,8 +106,10 @@ def test_a_writer_killed_alone_fails_changes_and_the_log_says_why(make_mount):
         (m.mnt / "d" / "new").mkdir()
     assert err.value.errno == errno.EIO
     assert "exited (killed by signal 9)" in m.log() and "remount" in m.log()
+    time.sleep(2.5 * SYNC_INTERVAL)         # the background tasks meet the failure too
     assert (m.mnt / "d" / "kept").read_bytes() == b"fsynced"    # reads go on
     m.umount()
+    assert "Traceback" not in m.log()
     m.mount()
     assert (m.mnt / "d" / "kept").read_bytes() == b"fsynced"
     (m.mnt / "d" / "new").mkdir()                               # a remount writes again
