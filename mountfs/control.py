@@ -231,17 +231,43 @@ def _message(e: Exception) -> str:
     return str(e)
 
 
-def _stopped_error(pid: int, store) -> ControlError:
-    return ControlError(f"the mount process {pid} serving {store} is stopped (Ctrl-Z or "
-                        f"SIGSTOP): resume it with 'kill -CONT {pid}'")
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (a mount's: its writer process)."""
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(child) for child in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _stopped_error(pid: int, store) -> ControlError | None:
+    """The error that says the mount process ``pid``, or its writer process, is stopped:
+    either way nothing that changes the filesystem can be answered until it is resumed.
+    None if neither is."""
+    if process_stopped(pid):
+        return ControlError(f"the mount process {pid} serving {store} is stopped (Ctrl-Z or "
+                            f"SIGSTOP): resume it with 'kill -CONT {pid}'")
+    for child in _children(pid):
+        if process_stopped(child):
+            return ControlError(f"the writer process {child} of the mount process {pid} "
+                                f"serving {store} is stopped (SIGSTOP): resume it with "
+                                f"'kill -CONT {child}'")
+    return None
 
 
 def check_running(mountpoint: str, store) -> None:
-    """Refuse at once if the process of the mount at ``mountpoint`` is stopped: anything
-    touching the mount (a syncfs, a request) would wait for it."""
+    """Refuse at once if the process of the mount at ``mountpoint`` (or its writer) is
+    stopped: anything touching the mount (a syncfs, a request) would wait for it."""
     rec = mount_record(mountpoint)
-    if rec is not None and process_stopped(rec["pid"]):
-        raise _stopped_error(rec["pid"], store)
+    if rec is not None and (stopped := _stopped_error(rec["pid"], store)) is not None:
+        raise stopped
 
 
 def _peer_pid(s: socket.socket) -> int:
@@ -274,8 +300,8 @@ def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0,
             except ConnectionResetError:
                 break
             except socket.timeout:
-                if process_stopped(server):
-                    raise _stopped_error(server, store) from None
+                if (stopped := _stopped_error(server, store)) is not None:
+                    raise stopped from None
                 if time.monotonic() >= deadline:
                     raise
                 continue

@@ -247,3 +247,22 @@ def test_a_frame_refers_to_its_data_without_copying_it():
     cut = memoryview(frame)[writer_frames.HEADER.size:-1]     # the data one byte short
     with pytest.raises(pickle.UnpicklingError, match="outside the frame"):
         writer_frames._body(cut, pickled)
+
+
+def test_snapctl_says_when_the_writer_process_is_stopped(make_mount):
+    """A stopped writer process answers no change, so 'snapctl create' would wait out its
+    600 s: it says which process is stopped and how to resume it, as for a stopped mount;
+    resumed, the same command works."""
+    m = make_mount()
+    (m.mnt / "f").write_text("kept")
+    writer = writer_pid(m.pid)
+    os.kill(writer, signal.SIGSTOP)
+    try:
+        snap = cli("snapctl", "-m", m.mnt, "create", "s", check=False, timeout=60)
+    finally:
+        os.kill(writer, signal.SIGCONT)
+    assert (snap.returncode, snap.stderr) == (
+        1, f"snapctl: the writer process {writer} of the mount process {m.pid} serving "
+           f"{m.store} is stopped (SIGSTOP): resume it with 'kill -CONT {writer}'\n")
+    m.snapctl("create", "s")
+    assert (m.mnt / ".snapshot" / "s" / "f").read_text() == "kept"
