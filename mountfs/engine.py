@@ -434,17 +434,21 @@ class Engine:
         self._gc_wakeup.set()
 
     async def syncer(self) -> None:
-        """Bound what a power loss can take to about SYNC_INTERVAL of metadata. Once the
-        writer has failed (it died, or a commit failed: logged then), there is nothing
-        left to sync, and the mount goes on serving reads."""
-        while True:
+        """Bound what a power loss can take to about SYNC_INTERVAL of metadata. A sync that
+        fails (a commit failed: the disk) is logged once per reason, never the mount's end:
+        reads go on, and each call that needs the writer gets the error itself. Once the
+        writer process is gone (logged then), there is nothing left to sync."""
+        reported = None
+        while self._committer.failed is None:
             await trio.sleep(SYNC_INTERVAL)
-            if self._unsynced and self._committer.failed is None:
-                try:
-                    await self.sync()
-                except FsError:
-                    if self._committer.failed is None:
-                        raise
+            if not self._unsynced:
+                continue
+            try:
+                await self.sync()
+            except FsError as e:
+                if self._committer.failed is None and str(e) != reported:
+                    log.error("could not sync the store: %s", e)
+                    reported = str(e)
 
     async def collector(self) -> None:
         """Reclaim deleted snapshots' versions and purge deleted files, in short batches."""

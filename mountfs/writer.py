@@ -237,7 +237,7 @@ class WriterProcess:
                 pieces, self._unsent, self._raw_unsent = self._unsent, deque(), 0
                 self._flushing = True
                 try:
-                    await trio.to_thread.run_sync(_write_when_room, self._out_fd, pieces)
+                    await trio.to_thread.run_sync(_write_all, self._out_fd, pieces)
                 except OSError:         # the writer died: the reader thread fails the steps
                     pieces.clear()
                     self._unsent.clear()
@@ -379,13 +379,8 @@ def _written(pieces: deque, done: int) -> None:
 
 
 def _write_all(fd: int, pieces: deque) -> None:
-    while pieces:
-        _written(pieces, os.writev(fd, list(itertools.islice(pieces, _IOV_MAX))))
-
-
-def _write_when_room(fd: int, pieces: deque) -> None:
-    """Write ``pieces`` to the non-blocking ``fd``, waiting for room as the writer reads
-    (in a worker thread; what is written leaves ``pieces``)."""
+    """Write ``pieces`` to ``fd`` (blocking or not: then waiting for room as the writer
+    reads, in a worker thread); what is written leaves ``pieces``."""
     room = select.poll()
     room.register(fd, select.POLLOUT)
     while pieces:
