@@ -15,6 +15,7 @@ function and plain arguments): they run in another process.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 from collections import OrderedDict
 
@@ -33,6 +34,8 @@ from .writer import WriterProcess
 log = logging.getLogger(__name__)
 
 SYNC_INTERVAL = 1.0
+KNOWN_EMPTY_ENTRIES = 256  # Engine.known_empty looks at most at this many committed entries
+KNOWN_EMPTY_MARKS = 4096   # and at most at this many uncommitted marks
 INO_BLOCK = 1024    # inode numbers reserved at once for posted creates (a remount leaves
                     # the rest of a block unused: 2^40 numbers make that harmless)
 POSTED_BYTES = 8 << 20  # chunk data posted and not yet applied, at most: past it a flush
@@ -220,6 +223,34 @@ class Engine:
             child = self._records.get((parent, name))
             return (False, None) if child is None else (True, child or None)
         return True, self._look_now(lambda v: v.lookup(parent, name), None)
+
+    def known_empty(self, ino: int) -> bool | None:
+        """Whether directory ``ino`` has no entries, if that is known without asking the
+        committer (None if not): it has one if an uncommitted change added one, or if a
+        committed entry is one no such change touched; it has none if every committed
+        entry was removed by such a change, and none added one. Bounded: past
+        KNOWN_EMPTY_MARKS uncommitted marks or KNOWN_EMPTY_ENTRIES committed entries
+        removed, it is not known."""
+        changed = {}                # name -> the inode an uncommitted change left (0: none)
+        if self._uncommitted and self.dirty(("ls", ino)):
+            if len(self._dirty) + len(self._posted) > KNOWN_EMPTY_MARKS:
+                return None
+            for mark in {*self._dirty, *self._posted}:
+                if type(mark) is tuple and mark[0] == ino:
+                    changed[mark[1]] = self._records.get(mark)
+            if any(changed.values()):
+                return False
+            if None in changed.values():
+                return None
+
+        def committed_entry_left(view) -> bool | None:
+            names = (name for name, _ in view.listdir(ino))
+            for name in itertools.islice(names, KNOWN_EMPTY_ENTRIES):
+                if name not in changed:
+                    return True
+            return None if next(names, None) is not None else False
+        left = self._look_now(committed_entry_left, None)
+        return None if left is None else not left
 
     def take_ino(self) -> int | None:
         """An unused inode number for a posted create; None when the reserved block is

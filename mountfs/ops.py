@@ -433,16 +433,26 @@ class Operations(pyfuse3.Operations):
 
     @guard
     async def unlink(self, parent_inode, name, ctx):
-        self._writable(parent_inode)
-        if self._post_unlink(parent_inode, name):
-            self.engine.wake_gc()
-            return
-        await self._removed(Live.unlink, parent_inode, name)
+        await self._remove_name(parent_inode, name, directory=False)
 
-    def _post_unlink(self, parent: int, name: bytes) -> bool:
-        """Post the unlink (Engine.post) of a file with one name, when the entry and both
-        records are known here: every error the step could meet is raised here instead.
-        False: not posted."""
+    @guard
+    async def rmdir(self, parent_inode, name, ctx):
+        await self._remove_name(parent_inode, name, directory=True)
+
+    async def _remove_name(self, parent: int, name: bytes, directory: bool) -> None:
+        self._writable(parent)
+        if self._post_remove(parent, name, directory):
+            self.engine.wake_gc()
+        else:
+            await self._removed(Live.rmdir if directory else Live.unlink, parent, name)
+
+    def _post_remove(self, parent: int, name: bytes, directory: bool) -> bool:
+        """Post the unlink of a file with one name, or the rmdir of an empty directory, when
+        the entry, both records and (rmdir) whether the directory is empty are known here
+        (Engine.known_empty): every error the step could meet is raised here instead.
+        False: not posted (the step decides, awaited). git tries an rmdir of the directory
+        of every file it removes, mostly refused (ENOTEMPTY): awaited, each waited for the
+        writer to apply every change queued before it."""
         if not self.engine.can_post():
             return False
         known, child = self.engine.known_entry(parent, name)
@@ -451,38 +461,42 @@ class Operations(pyfuse3.Operations):
         if child is None:
             raise FsError(errno.ENOENT)
         prec, crec = self.engine.known_inode(parent), self.engine.known_inode(child)
-        if prec is None or crec is None or stat.S_ISDIR(crec.mode) or crec.nlink != 1 \
+        if prec is None or crec is None or stat.S_ISDIR(crec.mode) != directory \
+                or crec.nlink != (2 if directory else 1) \
                 or (crec.parent, crec.name) != (parent, name):
-            return False        # a directory (EISDIR) or hard links: the step decides
+            return False        # EISDIR, ENOTDIR, hard links, subdirectories: the step decides
+        if directory:
+            empty = self.engine.known_empty(child)
+            if empty is None:
+                return False
+            if not empty:
+                raise FsError(errno.ENOTEMPTY)
         now = time.time_ns()
-        self.engine.post(self._unlink_step, now, parent, name, self._is_open(child),
+        self.engine.post(self._remove_step, now, parent, name, directory, self._is_open(child),
                          marks=(child, parent, (parent, name), ("ls", parent)),
-                         records={parent: prec.evolve(mtime_ns=now, ctime_ns=now),
+                         records={parent: prec.evolve(nlink=prec.nlink - (1 if directory else 0),
+                                                      mtime_ns=now, ctime_ns=now),
                                   child: crec.evolve(nlink=0, ctime_ns=now, parent=0,
                                                      name=b""),
                                   (parent, name): 0})
         return True
 
     @staticmethod
-    def _unlink_step(live, now: int, parent: int, name: bytes, held: bool) -> None:
-        """A posted step: unlink with the caller's clock (the records it answered with).
-        ``held``: whether the kernel held the inode when the unlink was answered. Decided
-        then, not when the step runs: by then later calls may have reached the inode
-        (a SETATTR racing the unlink, posted after it) and the kernel may have forgotten
-        it since, so destroying it here would fail their steps; a forget after the unlink
-        deletes the orphan (``reap``), in a step queued after theirs."""
+    def _remove_step(live, now: int, parent: int, name: bytes, directory: bool,
+                     held: bool) -> None:
+        """A posted step: unlink or rmdir with the caller's clock (the records it answered
+        with). ``held``: whether the kernel held the inode when the call was answered.
+        Decided then, not when the step runs: by then later calls may have reached the
+        inode (a SETATTR racing the unlink, posted after it) and the kernel may have
+        forgotten it since, so destroying it here would fail their steps; a forget after
+        the call deletes the orphan (``reap``), in a step queued after theirs."""
         live.now = now
-        ino, rec = live.unlink(parent, name)
+        ino, rec = (live.rmdir if directory else live.unlink)(parent, name)
         if rec.nlink == 0:
             if held:
                 live.add_orphan(ino)
             else:
                 live.destroy(ino)
-
-    @guard
-    async def rmdir(self, parent_inode, name, ctx):
-        self._writable(parent_inode)
-        await self._removed(Live.rmdir, parent_inode, name)
 
     @guard
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):

@@ -403,41 +403,52 @@ class Floor:
 FLOOR_OPTIONS: list[str] = []     # nullfs.py options matching mountfs's kernel-side options
 
 
-def three_way(work: Workdir, label: str, measure) -> dict:
+TARGETS_3 = ("plain", "floor", "mount")
+
+
+def three_way(work: Workdir, label: str, measure, repeat: int = 1) -> dict:
     """``measure(root, remount)`` -> {figure: value} on a plain directory, the floor and a
-    fresh mount, in that order, in this run."""
-    out = {}
-    plain = work.path / f"plain-{label}"
-    plain.mkdir()
-    try:
-        out["plain"] = measure(plain, None)
-    finally:
-        shutil.rmtree(plain)
-    floor = Floor(work)
-    try:
-        out["floor"] = measure(floor.mnt, None)
-    finally:
-        floor.close()
-    m = MountedStore(work, label)
-    try:
-        out["mount"] = measure(m.mnt, m.remount)
-    finally:
-        m.close()
-    return out
+    fresh mount, in that order, ``repeat`` times over: each figure is the median of its runs
+    (under "runs", every run's figures). Alternating spreads the machine's drift (others'
+    load, the disk's writeback) over the three alike: one run of each can be 40% off."""
+    runs = {t: [] for t in TARGETS_3}
+    for _ in range(repeat):
+        plain = work.path / f"plain-{label}"
+        plain.mkdir()
+        try:
+            runs["plain"].append(measure(plain, None))
+        finally:
+            shutil.rmtree(plain)
+        floor = Floor(work)
+        try:
+            runs["floor"].append(measure(floor.mnt, None))
+        finally:
+            floor.close()
+        m = MountedStore(work, label)
+        try:
+            runs["mount"].append(measure(m.mnt, m.remount))
+        finally:
+            m.close()
+    return {**{t: medians(r) for t, r in runs.items()}, "runs": runs}
 
 
 def print_three_way(title: str, figures: dict, keys: list[tuple[str, str, bool]],
                     target=None) -> None:
     """keys: (figure, label, higher is better). Ratios say how many times slower the mount
-    is (>1: slower) than the plain directory and than the floor."""
+    is (>1: slower) than the plain directory and than the floor: of the medians, and (with
+    several runs) of each run's mount against the same run's floor."""
     rows = []
     for key, label, higher in keys:
-        p, f, m = (figures[t][key] for t in ("plain", "floor", "mount"))
         slower = (lambda a, b: a / b) if higher else (lambda a, b: b / a)
+        p, f, m = (figures[t][key] for t in TARGETS_3)
+        runs = figures["runs"]
+        each = " ".join(f"{slower(rf[key], rm[key]):.2f}x"
+                        for rf, rm in zip(runs["floor"], runs["mount"]))
         rows.append([label, f"{m:,.2f}", f"{f:,.2f}", f"{p:,.2f}", f"{slower(p, m):.2f}x",
-                     f"{slower(f, m):.2f}x", target(key, figures) if target else ""])
-    print_table(title, ["figure", "mount", "floor", "plain dir", "vs plain", "vs floor",
-                        "target"], rows)
+                     f"{slower(f, m):.2f}x", each, target(key, figures) if target else ""])
+    print_table(f"{title}; median of {len(figures['runs']['mount'])} alternating runs",
+                ["figure", "mount", "floor", "plain dir", "vs plain", "vs floor",
+                 "each run vs floor", "target"], rows)
 
 
 def stdlib_tarball(work: Workdir) -> Path:
@@ -462,8 +473,8 @@ def untar(tarball: Path):
     return measure
 
 
-def bench_untar(work: Workdir, res: Results) -> None:
-    figures = three_way(work, "untar", untar(stdlib_tarball(work)))
+def bench_untar(work: Workdir, repeat: int, res: Results) -> None:
+    figures = three_way(work, "untar", untar(stdlib_tarball(work)), repeat)
     res.add("untar", figures)
     print_three_way(f"untar of the stdlib ({figures['plain']['entries']:,} entries) + sync, "
                     f"seconds", figures, [("seconds", "untar+sync s", False)],
@@ -536,9 +547,9 @@ def checkout(repo: Path, a: str, b: str):
     return measure
 
 
-def bench_git(work: Workdir, files: int, res: Results) -> None:
+def bench_git(work: Workdir, files: int, repeat: int, res: Results) -> None:
     repo, a, b = synthetic_repo(work, files)
-    figures = three_way(work, "git", checkout(repo, a, b))
+    figures = three_way(work, "git", checkout(repo, a, b), repeat)
     res.add("git_checkout", figures)
     print_three_way(f"git checkout between two commits 30 apart of a {files:,}-file "
                     f"repository + sync, seconds", figures,
@@ -570,11 +581,11 @@ def random_io(size: int, seconds: int):
     return measure
 
 
-def bench_random(work: Workdir, size: int, seconds: int, res: Results) -> None:
+def bench_random(work: Workdir, size: int, seconds: int, repeat: int, res: Results) -> None:
     if ensure_fio() is None:
         print("\nrandom 4 KiB I/O: fio is not installed and apt-get could not install it")
         return
-    figures = three_way(work, "rand", random_io(size, seconds))
+    figures = three_way(work, "rand", random_io(size, seconds), repeat)
     res.add("random_4k", figures)
     print_three_way(f"random 4 KiB I/O on a {size // MiB} MiB file, fio psync, 1 job, "
                     f"{seconds} s each (caches dropped before each), IOPS", figures,
@@ -582,9 +593,9 @@ def bench_random(work: Workdir, size: int, seconds: int, res: Results) -> None:
                     lambda k, f: verdict(f["mount"][k] >= 5000) + " (>= 5,000)")
 
 
-def bench_small3(work: Workdir, count: int, size: int, res: Results) -> None:
+def bench_small3(work: Workdir, count: int, size: int, repeat: int, res: Results) -> None:
     figures = three_way(work, "small", lambda root, remount: small_files(root, count, size,
-                                                                         remount))
+                                                                         remount), repeat)
     res.add("small_files", figures)
     print_three_way(f"{count:,} small files of {size} bytes in one directory, ops/s "
                     f"(stat_cold: after remount and drop_caches)", figures,
@@ -595,14 +606,12 @@ def bench_small3(work: Workdir, count: int, size: int, res: Results) -> None:
 
 
 def bench_seq3(work: Workdir, size: int, block: int, repeat: int, res: Results) -> None:
-    runs = [three_way(work, "seq", lambda root, remount: seq_pair(work, root / "big", size,
-                                                                  block, remount))
-            for _ in range(repeat)]
-    figures = {t: medians([r[t] for r in runs]) for t in ("plain", "floor", "mount")}
+    figures = three_way(work, "seq", lambda root, remount: seq_pair(work, root / "big", size,
+                                                                    block, remount), repeat)
     res.add("sequential", figures)
     print_three_way(f"sequential I/O, {size // MiB} MiB file in {block // 1024} KiB blocks, "
-                    f"median of {repeat}, MB/s (write includes fsync+close; caches dropped "
-                    f"before the read)", figures,
+                    f"MB/s (write includes fsync+close; caches dropped before the read)",
+                    figures,
                     [("write_mbs", "seq write MB/s", True), ("read_mbs", "seq read MB/s", True)],
                     lambda k, f: verdict(f["mount"][k] >= 0.4 * f["plain"][k]
                                          and f["mount"][k] >= 0.8 * f["floor"][k])
@@ -627,7 +636,8 @@ def parse_args(argv=None):
                    help="chunk sizes of the sweep (default: %(default)s)")
     p.add_argument("--sweep-size", default="256M", help="file size of the sweep (default: 256M)")
     p.add_argument("--repeat", type=int, default=3,
-                   help="runs per sequential figure, median (default: 3)")
+                   help="runs of each three-way figure (plain, floor, mount alternating), "
+                        "median (default: 3)")
     p.add_argument("--repo-files", type=int, default=6000,
                    help="files in the synthetic git repository (default: 6000)")
     p.add_argument("--rand-seconds", type=int, default=15,
@@ -662,15 +672,15 @@ def main(argv=None) -> int:
     with Workdir(args.workdir, "bench-io") as work:
         print(machine_info(work.path))
         if "untar" in only:
-            bench_untar(work, res)
+            bench_untar(work, args.repeat, res)
         if "git" in only:
-            bench_git(work, args.repo_files, res)
+            bench_git(work, args.repo_files, args.repeat, res)
         if "small" in only:
-            bench_small3(work, args.files, args.file_size, res)
+            bench_small3(work, args.files, args.file_size, args.repeat, res)
         if "seq" in only:
             bench_seq3(work, parse_size(args.size), block, args.repeat, res)
         if "rand" in only:
-            bench_random(work, parse_size(args.size), args.rand_seconds, res)
+            bench_random(work, parse_size(args.size), args.rand_seconds, args.repeat, res)
         if "snap" in only:
             bench_snapshots(work, [int(s) for s in args.snap_sizes.split(",")], args.creates,
                             res)

@@ -7,12 +7,16 @@ same to the nanosecond."""
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import stat
 import subprocess
+import sys
 import tarfile
 
 from conftest import drop_caches
+from test_writer import writer_pid
 
 
 def _source_tree(root):
@@ -109,3 +113,78 @@ def test_inode_numbers_stay_unique_across_remounts(make_mount):
         m.mount()
     assert len(inos) == 3 * 51
     assert {p.stat().st_ino for p in m.mnt.iterdir()} == inos
+
+
+_RMDIR = """import os, sys
+try:
+    os.rmdir(sys.argv[1])
+except OSError as e:
+    sys.exit(e.errno)
+"""
+
+
+def _rmdir_while_stopped(writer: int, paths, seconds: float) -> list:
+    """rmdir each of ``paths`` in another process while the writer process is stopped:
+    the errno of each (0: removed; None: no answer within ``seconds``)."""
+    codes, waiting = [], []
+    os.kill(writer, signal.SIGSTOP)
+    try:
+        for path in paths:
+            proc = subprocess.Popen([sys.executable, "-c", _RMDIR, path])
+            try:
+                codes.append(proc.wait(timeout=seconds))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+                waiting.append(proc)
+    finally:
+        os.kill(writer, signal.SIGCONT)
+        for proc in waiting:
+            proc.wait(timeout=60)
+    return codes
+
+
+def _rmdir_errno(path) -> int:
+    try:
+        os.rmdir(path)
+    except OSError as e:
+        return e.errno
+    return 0
+
+
+def test_rmdir_of_a_directory_known_empty_is_answered_before_it_runs(make_mount, monkeypatch):
+    """A checkout removes a directory right after its last file. The rmdir of a directory
+    known to be empty (its committed entries unlinked by changes not yet committed, none
+    added) is answered before its step runs, and so is ENOTEMPTY for one known to have an
+    entry (git tries an rmdir after each file it removes): even while the writer process
+    is stopped. Otherwise the step decides, and answers what a plain directory would."""
+    monkeypatch.setenv("MOUNTFS_COMMIT_DELAY", "3600")      # only fsync commits
+    m = make_mount()
+    r = m.mnt
+    for d in ("a", "b", "c", "d", "held"):
+        (r / d).mkdir()
+        (r / d / "old").write_bytes(b"o")
+    (r / "c" / "sub").mkdir()
+    (r / "file").write_bytes(b"f")
+    fd = os.open(r / "a" / "old", os.O_RDONLY)
+    os.fsync(fd)                                # the entries above are committed
+    os.close(fd)
+    (r / "a" / "new").write_bytes(b"n")         # created and removed, both uncommitted
+    for gone in ("a/old", "a/new", "b/old", "held/old"):
+        os.unlink(r / gone)
+    (r / "b" / "later").write_bytes(b"l")       # b: an entry the store has not seen yet
+    held = os.open(r / "held", os.O_RDONLY | os.O_DIRECTORY)
+    answered = _rmdir_while_stopped(writer_pid(m.pid), [r / d for d in ("a", "held", "b", "d")],
+                                    20)
+    assert answered == [0, 0, errno.ENOTEMPTY, errno.ENOTEMPTY]
+    assert os.listdir(held) == [] and stat.S_ISDIR(os.fstat(held).st_mode)
+    os.close(held)
+    assert [_rmdir_errno(r / d) for d in ("b", "c", "file", "none")] == [
+        errno.ENOTEMPTY, errno.ENOTEMPTY, errno.ENOTDIR, errno.ENOENT]
+    os.unlink(r / "b" / "later")
+    os.rmdir(r / "c" / "sub")
+    os.unlink(r / "c" / "old")
+    os.unlink(r / "d" / "old")
+    assert [_rmdir_errno(r / d) for d in ("b", "c", "d")] == [0, 0, 0]
+    assert sorted(os.listdir(r)) == ["file"] and os.lstat(r).st_nlink == 2
+    answers_hold(m, lambda root: {**_stats(root), ".": os.lstat(root)[:]},
+                 {**_stats(r), ".": os.lstat(r)[:]})
