@@ -435,20 +435,24 @@ def three_way(work: Workdir, label: str, measure, repeat: int = 1) -> dict:
 def print_three_way(title: str, figures: dict, keys: list[tuple[str, str, bool]],
                     target=None) -> None:
     """keys: (figure, label, higher is better). Ratios say how many times slower the mount
-    is (>1: slower) than the plain directory and than the floor: of the medians, and (with
-    several runs) of each run's mount against the same run's floor."""
+    is (>1: slower) than the plain directory and than the floor: of the medians, and of
+    each run's mount against the same run's floor."""
     rows = []
     for key, label, higher in keys:
         slower = (lambda a, b: a / b) if higher else (lambda a, b: b / a)
         p, f, m = (figures[t][key] for t in TARGETS_3)
         runs = figures["runs"]
-        each = " ".join(f"{slower(rf[key], rm[key]):.2f}x"
-                        for rf, rm in zip(runs["floor"], runs["mount"]))
+        each = ", ".join(f"{_figure(rm[key])} ({slower(rf[key], rm[key]):.2f}x)"
+                         for rf, rm in zip(runs["floor"], runs["mount"]))
         rows.append([label, f"{m:,.2f}", f"{f:,.2f}", f"{p:,.2f}", f"{slower(p, m):.2f}x",
                      f"{slower(f, m):.2f}x", each, target(key, figures) if target else ""])
     print_table(f"{title}; median of {len(figures['runs']['mount'])} alternating runs",
                 ["figure", "mount", "floor", "plain dir", "vs plain", "vs floor",
-                 "each run vs floor", "target"], rows)
+                 "each run: mount (vs floor)", "target"], rows)
+
+
+def _figure(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.2f}"
 
 
 def stdlib_tarball(work: Workdir) -> Path:
