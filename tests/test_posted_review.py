@@ -202,7 +202,8 @@ def test_refused_attribute_change_leaves_nothing_pending(mounted):
 
 def _concurrent(make_mount, monkeypatch, shared_writes: bool):
     """Threads creating, renaming, linking, chmodding, writing and unlinking in shared
-    directories (``shared_writes``: rewriting shared files in place, O_TRUNC racing other
+    directories, and making, filling, emptying and removing directories in them (rmdir is
+    answered on the trio thread when it knows the directory's entries) (``shared_writes``: rewriting shared files in place, O_TRUNC racing other
     writers; else a file is written under the thread's own name, then renamed)."""
     import random
     import threading
@@ -218,7 +219,7 @@ def _concurrent(make_mount, monkeypatch, shared_writes: bool):
             d = rnd.choice(dirs)
             p = d / f"n{rnd.randrange(20)}"
             q = rnd.choice(dirs) / f"n{rnd.randrange(20)}"
-            op = rnd.randrange(8)
+            op = rnd.randrange(10)
             try:
                 if op == 0 and shared_writes:
                     p.write_bytes(b"z" * rnd.randrange(10000))
@@ -239,8 +240,14 @@ def _concurrent(make_mount, monkeypatch, shared_writes: bool):
                 elif op == 6:
                     os.utime(p, ns=(rnd.randrange(10**18), rnd.randrange(10**18)),
                              follow_symlinks=False)
-                else:
+                elif op == 7:
                     os.mkdir(p)
+                elif op == 8:
+                    os.rmdir(p)
+                elif rnd.randrange(2):
+                    os.symlink("t", p / "c")
+                else:
+                    os.unlink(p / "c")
             except (FileExistsError, FileNotFoundError, IsADirectoryError,
                     NotADirectoryError, PermissionError, OSError) as e:
                 if e.errno == 5:
