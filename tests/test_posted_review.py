@@ -34,6 +34,43 @@ def test_kill9_takes_back_only_the_last_moments(mounted):
                                 killed, "answered creates")
 
 
+def test_kill9_takes_back_only_the_last_rmdirs(mounted):
+    """The same for rmdir, answered before its step runs when the directory is known to be
+    empty: after kill -9 the tree is what some prefix of the answered calls made, and what
+    is lost was answered just before the kill."""
+    d = mounted.mnt / "d"
+    d.mkdir()
+    os.sync()
+    calls = []                      # ("mkdir" | "rmdir", name), in the order answered
+    answered = []
+    end = time.monotonic() + 4.0
+    i = 0
+    while time.monotonic() < end:
+        os.mkdir(d / f"s{i}")
+        calls.append(("mkdir", f"s{i}"))
+        answered.append(time.monotonic())
+        if i:
+            os.rmdir(d / f"s{i - 1}")
+            calls.append(("rmdir", f"s{i - 1}"))
+            answered.append(time.monotonic())
+        i += 1
+    killed = time.monotonic()
+    mounted.kill9()
+    mounted.mount()
+    present = set(os.listdir(d))
+    made, prefix = set(), None
+    for n in range(len(calls) + 1):
+        if made == present:
+            prefix = n
+            break
+        if n < len(calls):
+            verb, name = calls[n]
+            made.add(name) if verb == "mkdir" else made.discard(name)
+    assert prefix is not None, f"{sorted(present)[:5]}: no prefix of the calls made this"
+    _lost_only_the_last_moments([n >= prefix for n in range(len(calls))], answered, killed,
+                                "answered mkdirs and rmdirs")
+
+
 def _lost_only_the_last_moments(lost: list[bool], answered: list[float], killed: float,
                                 what: str) -> None:
     """``lost[k]``: whether call k (answered at ``answered[k]``) is gone after the kill:
