@@ -20,18 +20,15 @@ def test_kill9_takes_back_only_the_last_moments(mounted):
     d.mkdir()
     os.sync()
     answered = []
-    end = time.monotonic() + 4.0
-    i = 0
-    while time.monotonic() < end:
+    for i in _for_seconds(4.0):
         os.symlink("x", d / f"s{i}")
         answered.append(time.monotonic())
-        i += 1
     killed = time.monotonic()
     mounted.kill9()
     mounted.mount()
     present = set(os.listdir(d))
-    _lost_only_the_last_moments([f"s{k}" not in present for k in range(i)], answered,
-                                killed, "answered creates")
+    _lost_only_the_last_moments([f"s{k}" not in present for k in range(len(answered))],
+                                answered, killed, "answered creates")
 
 
 def test_kill9_takes_back_only_the_last_rmdirs(mounted):
@@ -43,9 +40,7 @@ def test_kill9_takes_back_only_the_last_rmdirs(mounted):
     os.sync()
     calls = []                      # ("mkdir" | "rmdir", name), in the order answered
     answered = []
-    end = time.monotonic() + 4.0
-    i = 0
-    while time.monotonic() < end:
+    for i in _for_seconds(4.0):
         os.mkdir(d / f"s{i}")
         calls.append(("mkdir", f"s{i}"))
         answered.append(time.monotonic())
@@ -53,7 +48,6 @@ def test_kill9_takes_back_only_the_last_rmdirs(mounted):
             os.rmdir(d / f"s{i - 1}")
             calls.append(("rmdir", f"s{i - 1}"))
             answered.append(time.monotonic())
-        i += 1
     killed = time.monotonic()
     mounted.kill9()
     mounted.mount()
@@ -69,6 +63,15 @@ def test_kill9_takes_back_only_the_last_rmdirs(mounted):
     assert prefix is not None, f"{sorted(present)[:5]}: no prefix of the calls made this"
     _lost_only_the_last_moments([n >= prefix for n in range(len(calls))], answered, killed,
                                 "answered mkdirs and rmdirs")
+
+
+def _for_seconds(seconds: float):
+    """0, 1, 2, ... for ``seconds``."""
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        yield i
+        i += 1
 
 
 def _lost_only_the_last_moments(lost: list[bool], answered: list[float], killed: float,
