@@ -236,17 +236,13 @@ class WriterProcess:
             while self._unsent:
                 pieces, self._unsent, self._raw_unsent = self._unsent, deque(), 0
                 self._flushing = True
-                try:
+                try:            # not cancellable: the thread writes them all, or fails
                     await trio.to_thread.run_sync(_write_all, self._out_fd, pieces)
                 except OSError:         # the writer died: the reader thread fails the steps
-                    pieces.clear()
                     self._unsent.clear()
                     break
                 finally:
                     self._flushing = False
-                    if pieces:                  # not written: cancelled (the mount ends)
-                        self._unsent.extendleft(reversed(pieces))
-                        self._raw_unsent += 1
 
     # ---- the reader thread -------------------------------------------------------------------
 

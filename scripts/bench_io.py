@@ -403,7 +403,7 @@ class Floor:
 FLOOR_OPTIONS: list[str] = []     # nullfs.py options matching mountfs's kernel-side options
 
 
-TARGETS_3 = ("plain", "floor", "mount")
+SIDES = ("plain", "floor", "mount")     # what three_way measures, in its order
 
 
 def three_way(work: Workdir, label: str, measure, repeat: int = 1) -> dict:
@@ -411,7 +411,7 @@ def three_way(work: Workdir, label: str, measure, repeat: int = 1) -> dict:
     fresh mount, in that order, ``repeat`` times over: each figure is the median of its runs
     (under "runs", every run's figures). Alternating spreads the machine's drift (others'
     load, the disk's writeback) over the three alike: one run of each can be 40% off."""
-    runs = {t: [] for t in TARGETS_3}
+    runs = {t: [] for t in SIDES}
     for _ in range(repeat):
         plain = work.path / f"plain-{label}"
         plain.mkdir()
@@ -440,7 +440,7 @@ def print_three_way(title: str, figures: dict, keys: list[tuple[str, str, bool]]
     rows = []
     for key, label, higher in keys:
         slower = (lambda a, b: a / b) if higher else (lambda a, b: b / a)
-        p, f, m = (figures[t][key] for t in TARGETS_3)
+        p, f, m = (figures[t][key] for t in SIDES)
         runs = figures["runs"]
         each = ", ".join(f"{_figure(rm[key])} ({slower(rf[key], rm[key]):.2f}x)"
                          for rf, rm in zip(runs["floor"], runs["mount"]))

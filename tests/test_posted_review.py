@@ -243,8 +243,9 @@ def test_refused_attribute_change_leaves_nothing_pending(mounted):
 def _concurrent(make_mount, monkeypatch, shared_writes: bool):
     """Threads creating, renaming, linking, chmodding, writing and unlinking in shared
     directories, and making, filling, emptying and removing directories in them (rmdir is
-    answered on the trio thread when it knows the directory's entries) (``shared_writes``: rewriting shared files in place, O_TRUNC racing other
-    writers; else a file is written under the thread's own name, then renamed)."""
+    answered on the trio thread when it knows the directory's entries). ``shared_writes``:
+    shared files are rewritten in place, O_TRUNC racing other writers; else a file is
+    written under the thread's own name, then renamed."""
     import random
     import threading
     monkeypatch.setenv("MOUNTFS_COMMIT_DELAY", "3600")

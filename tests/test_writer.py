@@ -73,8 +73,7 @@ def test_posted_steps_go_to_the_writer_by_themselves(tmp_path):
     async def post_and_wait() -> int:
         writer.start()
         for name in (b"a", b"b", b"c"):
-            writer.post(Step(LIVE, Live.create, (S.ROOT_INO, name, stat.S_IFREG | 0o644,
-                                                 0, 0), posted=((S.ROOT_INO, name),)))
+            writer.post(_create_step(name, posted=((S.ROOT_INO, name),)))
         with trio.move_on_after(30):
             while len(ran) < 3:
                 await trio.sleep(0.01)
@@ -170,8 +169,9 @@ def _answers(replies: queue.SimpleQueue, n: int, within: float = 60.0) -> list[S
     return [replies.get(timeout=max(0.0, deadline - time.monotonic())) for _ in range(n)]
 
 
-def _create_step(name: bytes, done) -> Step:
-    return Step(LIVE, Live.create, (S.ROOT_INO, name, stat.S_IFREG | 0o644, 0, 0), done=done)
+def _create_step(name: bytes, done=None, posted=None) -> Step:
+    return Step(LIVE, Live.create, (S.ROOT_INO, name, stat.S_IFREG | 0o644, 0, 0),
+                posted=posted, done=done)
 
 
 @pytest.mark.parametrize("in_trio", [False, True], ids=["blocking", "trio"])
