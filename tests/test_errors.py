@@ -171,6 +171,27 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+def test_a_full_disk_is_told_without_fsync(small_disk, make_mount):
+    """A program that fills the disk and never calls fsync hears ENOSPC, not silence and a
+    file shorter than it wrote: from write(2) once a chunk that filled could not be
+    committed, or from close(2), which commits what the file buffered (FLUSH)."""
+    store = small_disk / "store"
+    cli("mountfs", "mkfs", store)
+    m = make_mount(store)
+    pid = m.pid
+    with pytest.raises(OSError) as info:
+        fd = os.open(m.mnt / "flood", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            for _ in range(200):
+                os.write(fd, os.urandom(1 << 20))
+        finally:
+            os.close(fd)
+    assert info.value.errno == errno.ENOSPC, info.value
+    assert m.pid == pid and os.path.ismount(m.mnt)       # the mount survived it
+    m.umount()
+    fsck_clean(store)
+
+
 def test_a_full_disk_reaches_the_writer_and_loses_nothing(small_disk, make_mount):
     store = small_disk / "store"
     cli("mountfs", "mkfs", store)
