@@ -161,6 +161,13 @@ class Operations(pyfuse3.Operations):
         e.st_ctime_ns = ctime
         return e
 
+    def _absent(self, live: bool) -> pyfuse3.EntryAttributes:
+        """A negative entry: no such name, for as long as a name is trusted."""
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = 0
+        e.entry_timeout = self.timeout if live else SNAP_TIMEOUT
+        return e
+
     async def _snapdir_attrs(self) -> pyfuse3.EntryAttributes:
         root = await self.engine.inode(S.ROOT_INO)
         rec = root.evolve(mode=stat.S_IFDIR | 0o555, nlink=2)
@@ -184,6 +191,13 @@ class Operations(pyfuse3.Operations):
 
     @guard
     async def lookup(self, parent_inode, name, ctx=None):
+        """A name that does not exist is answered as a negative entry (inode 0) with the
+        entry timeout, which the kernel caches as it caches names that exist: a program
+        probing for missing files (imports, include paths, git) asks once, not each time.
+        Only this mount's calls change the live tree, and the kernel drops the entry when
+        one of them makes the name; a rollback or restore, which changes it behind the
+        kernel's back, invalidates the names it made (``invalidate``). Snapshot names stay
+        ENOENT: ``snapctl create`` makes them behind the kernel's back too."""
         if parent_inode == S.ROOT_INO and name == SNAPDIR_NAME:
             return await self._snapdir_attrs()
         if parent_inode == SNAPDIR_INO:
@@ -209,7 +223,7 @@ class Operations(pyfuse3.Operations):
             return (None, None) if child is None else (child, v.get(child))
         child, rec = await self.engine.look(find, epoch, marks=((real, name),))
         if child is None:
-            raise FsError(errno.ENOENT)
+            return self._absent(live=epoch is None)
         if epoch is None and self.engine.dirty(child):     # read above as last committed
             rec = await self.engine.inode(child)
         kino = self._kernel_ino(parent_inode, child)
@@ -224,7 +238,7 @@ class Operations(pyfuse3.Operations):
         if not known:
             return None
         if child is None:
-            raise FsError(errno.ENOENT)
+            return self._absent(live=True)
         rec = self.engine.known_inode(child)
         if rec is None:
             return None

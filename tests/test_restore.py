@@ -134,7 +134,8 @@ def test_restore_a_tree_in_place(fs, here):
     snap = fs.mnt / ".snapshot/tree" / here.name / "t"
     frozen = tree_state(snap)
     mess_up(t)
-    res = restore(fs, "tree", rel(fs, t), "--force")
+    assert not (t / "a/b").exists()         # a negative entry the kernel keeps: the restore
+    res = restore(fs, "tree", rel(fs, t), "--force")            # must drop it
     assert res.stdout.endswith(f"({inodes} inodes)\n")
     assert tree_state(t) == frozen                               # names, data, links, times...
     assert os.stat(t / "a/file").st_nlink == 3
@@ -156,6 +157,7 @@ def test_restore_to_another_path(fs, here):
     live = tree_state(t)
     live_inos = {p: os.lstat(t / p).st_ino for p in live}
     dest = here / "t-back"
+    assert not dest.exists()                # a negative entry the kernel keeps
     restore(fs, "to", rel(fs, t), "--to", rel(fs, dest))
     want = tree_state(snap)
     want["a/file"].pop("link_group")                             # 4 links there, 3 in the copy
@@ -251,6 +253,7 @@ def test_rollback_with_force_and_what_follows(make_mount):
     mess_up(t)
     (m.mnt / "top").write_text("top v2")
     os.rename(t / "a", m.mnt / "a-moved")
+    assert not (t / "a").exists()           # a negative entry the kernel keeps
     m.snapctl("create", "s2")
     (m.mnt / "after-s2").write_text("lost by the rollback")
     s2_state = tree_state(m.mnt / ".snapshot/s2")
@@ -258,6 +261,7 @@ def test_rollback_with_force_and_what_follows(make_mount):
     assert (m.mnt / "top").read_text() == "top v2"               # in the kernel's page cache
     restore(m, "s1", "--force")
     assert tree_state(m.mnt) == s1_state                         # the whole tree, exactly
+    assert (t / "a").is_dir()                                    # the negative entry dropped
     assert (m.mnt / "top").read_text() == "top v1"               # not a stale cached page
     assert os.stat(t / "a/file").st_ino == kept_ino              # identities are kept
     # later snapshots stay, unchanged, and still compare
