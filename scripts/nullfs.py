@@ -239,6 +239,8 @@ class NullFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
 
     async def setxattr(self, inode, name, value, ctx):
+        if name.startswith(b"system.posix_acl_"):  # as mountfs: no ACLs (cp -a then chmods)
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
         self._node(inode).xattrs[name] = value
 
     async def listxattr(self, inode, ctx):
