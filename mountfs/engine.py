@@ -235,7 +235,7 @@ class Engine:
         if self._uncommitted and self.dirty(("ls", ino)):
             if len(self._dirty) + len(self._posted) > KNOWN_EMPTY_MARKS:
                 return None
-            for mark in {*self._dirty, *self._posted}:
+            for mark in itertools.chain(self._dirty, self._posted):
                 if type(mark) is tuple and mark[0] == ino:
                     changed[mark[1]] = self._records.get(mark)
             if any(changed.values()):

@@ -23,6 +23,7 @@ import pyfuse3
 import trio
 
 from mountfs.mount import set_readahead
+from mountfs.ops import ACL_XATTRS
 
 
 class Node:
@@ -239,7 +240,7 @@ class NullFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
 
     async def setxattr(self, inode, name, value, ctx):
-        if name.startswith(b"system.posix_acl_"):  # as mountfs: no ACLs (cp -a then chmods)
+        if name in ACL_XATTRS:                 # as mountfs: no ACLs (cp -a then chmods)
             raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
         self._node(inode).xattrs[name] = value
 
