@@ -1,6 +1,7 @@
 """Write buffering for open files: dirty chunks live in memory until they fill, or until
 flush, fsync, release, a snapshot, or memory pressure; then they are hashed in a worker thread
-and committed with the file's new size in one transaction.
+and committed with the file's new size. A file whose complete chunks wait for their commit
+past FLUSH_AHEAD holds its writers back until the store has taken them.
 
 Ownership rule: every structure here is touched only on the trio thread. A chunk is hashed
 from an immutable ``bytes`` copy; commits of one file are serialised by ``OpenFile.lock`` so
@@ -35,7 +36,14 @@ DIRTY_EXPIRE = float(os.environ.get("MOUNTFS_DIRTY_EXPIRE", "30"))
 HASH_THREADS = trio.CapacityLimiter(2)
 INLINE_HASH = 64 << 10          # hashing this much takes microseconds: less than a thread hop
                                 # (a commit here; a first read in Engine.verify)
-STEP_BYTES = 64 << 20           # chunk data committed in one step (one transaction) at most
+STEP_BYTES = 8 << 20            # chunk data committed in one step at most: a step's frame
+                                # stays below glibc's mmap threshold, so the writer process
+                                # reuses its buffers (64 MiB steps were each a fresh mapping,
+                                # faulted in page by page: docs/benchmarks.md, fourteenth round)
+FLUSH_AHEAD = 32 << 20          # a file's complete chunks waiting for their commit, at most:
+                                # past it, its writes wait (as the kernel holds back a writer
+                                # past its dirty limit), so a fast sequential writer's buffers
+                                # are reused instead of holding the whole file in fresh memory
 
 
 def chunk_digest(data: bytes) -> bytes:
@@ -49,13 +57,14 @@ class DirtyChunk:
     no read of the chunk until it is read back or committed (``FileCache._merge``).
     ``data`` is the WRITE's own ``bytes`` when one write covered the whole chunk (no copy
     to buffer it, none to commit it), made a bytearray by the next write into it."""
-    __slots__ = ("data", "gen", "since", "ranges")
+    __slots__ = ("data", "gen", "since", "ranges", "queued")
 
     def __init__(self, data: bytearray, ranges: list[tuple[int, int]] | None = None):
         self.data = data
         self.gen = 0
         self.since = time.monotonic()
         self.ranges = ranges
+        self.queued = False     # complete, its commit started: counted in OpenFile.queued
 
     def complete(self, size: int) -> bool:
         """Whether every byte of the chunk (``size`` bytes) is buffered: it can be committed
@@ -117,6 +126,7 @@ class OpenFile:
         self.size = size                      # size including unflushed writes
         self.mtime_ns: int | None = None      # set when a write changed the file
         self.dirty: dict[int, DirtyChunk] = {}
+        self.queued = 0                       # bytes of dirty chunks that are queued
         self.opens = 0
         self.lock = CommitLock()
         self.error: int | None = None         # a failed background flush, reported once
@@ -219,17 +229,37 @@ class FileCache:
         of.size = max(of.size, off + len(buf))
         of.mtime_ns = time.time_ns()
         for idx in full:
+            self._queue(of, of.dirty[idx])
             self._flush_later(of, [idx])
         while self.dirty_bytes > DIRTY_LIMIT:
             self._flush_later(of, sorted(of.dirty))
-            self.flushed = trio.Event() if self.flushed.is_set() else self.flushed
-            await self.flushed.wait()
+            await self._wait_flushed()
+        while of.queued > FLUSH_AHEAD and of.error is None:    # an error: the next call says
+            await self._wait_flushed()
         return len(buf)
+
+    async def _wait_flushed(self) -> None:
+        """Until a commit of buffered chunks ends (or fails)."""
+        self.flushed = trio.Event() if self.flushed.is_set() else self.flushed
+        await self.flushed.wait()
 
     def _add_dirty(self, of: OpenFile, idx: int, dc: DirtyChunk) -> DirtyChunk:
         of.dirty[idx] = dc
         self.dirty_bytes += self.engine.chunk_size
         return dc
+
+    def _queue(self, of: OpenFile, dc: DirtyChunk) -> None:
+        if not dc.queued:
+            dc.queued = True
+            of.queued += self.engine.chunk_size
+
+    def _drop_dirty(self, of: OpenFile, idx: int) -> None:
+        """``of``'s chunk ``idx`` is no longer buffered (committed, or cut off)."""
+        dc = of.dirty.pop(idx)
+        self.dirty_bytes -= self.engine.chunk_size
+        if dc.queued:
+            of.queued -= self.engine.chunk_size
+        self.flushed.set()
 
     async def _stored_chunk(self, of: OpenFile, idx: int) -> bytes:
         cs, ino, size = self.engine.chunk_size, of.ino, of.size
@@ -284,6 +314,7 @@ class FileCache:
             await self.flush_chunks(of, idxs, final=False)
         except FsError as e:
             of.error = e.errno
+            self.flushed.set()          # a writer waiting for this flush hears of it
 
     async def flush(self, of: OpenFile) -> None:
         """Commit every dirty chunk and the file's size and mtime. Nothing dirty and no
@@ -346,9 +377,7 @@ class FileCache:
                          nbytes=sum(map(len, datas)))
         for idx, dc, gen, _ in copies:
             if of.dirty.get(idx) is dc and dc.gen == gen:
-                del of.dirty[idx]
-                self.dirty_bytes -= self.engine.chunk_size
-                self.flushed.set()
+                self._drop_dirty(of, idx)
         if whole and not of.dirty and of.mtime_ns == mtime:
             of.mtime_ns = None                  # size and mtime went with the chunks
 
@@ -377,11 +406,12 @@ class FileCache:
         cs = self.engine.chunk_size
         last, keep = divmod(size, cs)
         for idx in [i for i in of.dirty if i > last or (i == last and not keep)]:
-            del of.dirty[idx]
-            self.dirty_bytes -= cs
-            self.flushed.set()
+            self._drop_dirty(of, idx)
         dc = of.dirty.get(last)
         if dc is not None:
+            if dc.queued:                       # no longer complete
+                dc.queued = False
+                of.queued -= cs
             dc.data = bytearray(dc.data[:keep])
             if dc.ranges is not None:
                 dc.ranges = [(start, min(end, keep)) for start, end in dc.ranges
@@ -393,8 +423,8 @@ class FileCache:
         """Drop buffered data of an inode that no longer exists."""
         of = self.files.get(ino)
         if of is not None:
-            self.dirty_bytes -= len(of.dirty) * self.engine.chunk_size
-            of.dirty.clear()
+            for idx in list(of.dirty):
+                self._drop_dirty(of, idx)
 
 
 # ---- the steps that commit a file's buffers (run by the committer: data in, data out) ----

@@ -147,11 +147,12 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
     import trio
 
     from .engine import Engine
+    from .memory import keep_freed_buffers
     from .ops import Operations
     from .store import Store
     mountpoint = canonical(mountpoint)
     _check_mountpoint(mountpoint)
-    _keep_freed_buffers()
+    keep_freed_buffers()
     sys.setswitchinterval(GIL_SWITCH)
     store = Store.open(store_path, readonly=read_only, lock=not read_only,
                        holder=f"mounted at {mountpoint}")
@@ -181,29 +182,6 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
             pyfuse3.close(unmount=clean)
     finally:
         store.close()
-
-
-MALLOC_MMAP_THRESHOLD = 32 << 20   # glibc's largest; a chunk-sized buffer stays on the heap
-MALLOC_TRIM_THRESHOLD = 256 << 20  # freed heap kept up to this much (a few commit groups)
-
-
-def _keep_freed_buffers() -> None:
-    """Have glibc's malloc reuse freed 1 MiB buffers instead of mapping fresh ones. The
-    write path allocates several per chunk (pyfuse3's copy of each WRITE, the chunk's bytes,
-    LMDB's overflow pages of the commit); by default each is an mmap that is faulted in page
-    by page and unmapped when freed (with a TLB shootdown to the other threads' core), or
-    heap trimmed back to the kernel after every commit. Sequential write went from a median
-    of 392 to 475 MB/s with it (docs/benchmarks.md). A C library without mallopt (not
-    glibc) keeps its own policy; the mount works either way, and says so in its log."""
-    import ctypes
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        log.info("this C library has no mallopt: large buffers keep its default policy")
-        return
-    for option, value in ((-3, MALLOC_MMAP_THRESHOLD), (-1, MALLOC_TRIM_THRESHOLD)):
-        if mallopt(option, value) != 1:               # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
-            log.info("mallopt(%d, %d) was refused: large buffers keep the default policy",
-                     option, value)
 
 
 async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> None:

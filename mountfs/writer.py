@@ -64,6 +64,7 @@ from multiprocessing.connection import Connection
 import trio
 
 from .committer import LIVE, Committer, Step
+from .memory import keep_freed_buffers
 from .namespace import FsError
 from .store import Store
 
@@ -510,6 +511,7 @@ def main(argv: list[str]) -> int:
     if os.getppid() != mount_pid:       # the mount died before the death signal was set
         return 1
     from . import engine, ops        # noqa: F401  the steps' modules, before the first step
+    keep_freed_buffers()             # each frame and each commit's overflow pages: 1 MiB
     store = Store.open(path, lock=False)
     try:
         with open(incoming_fd, "rb", buffering=PIPE_BYTES) as incoming:

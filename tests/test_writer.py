@@ -1,7 +1,7 @@
 """The writer process (mountfs.writer): the committer in a process of its own. It dies with
 the mount; if it dies alone, changes fail at once (EIO) instead of hanging, the log says
 why, and a remount finds everything committed before; a step that is not data is refused
-where it is sent."""
+where it is sent; a writer faster than the store is held back, and the buffers reused."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pickle
 import queue
 import signal
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -266,3 +267,68 @@ def test_snapctl_says_when_the_writer_process_is_stopped(make_mount):
            f"{m.store} is stopped (SIGSTOP): resume it with 'kill -CONT {writer}'\n")
     m.snapctl("create", "s")
     assert (m.mnt / ".snapshot" / "s" / "f").read_text() == "kept"
+
+
+def _proc_figure(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) << 10
+    raise AssertionError(f"/proc/{pid}/status has no {field}")
+
+
+def _minor_faults(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
+def test_a_sequential_writer_is_held_back_and_its_buffers_reused(make_mount):
+    """A file written faster than the store takes it (here: its writer process stopped):
+    the mount holds at most filecache.FLUSH_AHEAD of its complete chunks, then its writes
+    wait; once the writer runs again, it reuses the buffers of the frames it reads and of
+    LMDB's overflow pages. Before, the mount held the whole file (960 MB of a 1 GiB write,
+    measured) and sent it in 64 MiB steps, each a fresh mapping in the writer faulted in
+    page by page (about 500 faults per MiB): on a VM each fault of a fresh page costs the
+    host's fault too, and sequential writes ran at half the speed (docs/benchmarks.md,
+    fourteenth round)."""
+    m = make_mount()
+    writer = writer_pid(m.pid)
+    block = os.urandom(1 << 20)
+    with open(m.mnt / "warm", "wb") as f:       # the heaps' first growth is not measured
+        f.write(block * 32)
+        os.fsync(f.fileno())
+    Path(f"/proc/{m.pid}/clear_refs").write_text("5")     # VmHWM := VmRSS
+    rss = _proc_figure(m.pid, "VmRSS")
+    mib, written, failed = 256, [], []
+
+    def write_big():
+        try:
+            with open(m.mnt / "big", "wb") as f:
+                for i in range(mib):
+                    f.write(i.to_bytes(8, "little") + block[8:])
+                    written.append(i)
+                os.fsync(f.fileno())
+        except OSError as e:
+            failed.append(e)
+
+    os.kill(writer, signal.SIGSTOP)
+    thread = threading.Thread(target=write_big)
+    try:
+        thread.start()
+        seen, still = -1, 0
+        while still < 8:                        # until no write returned for 2 s
+            time.sleep(0.25)
+            still = still + 1 if len(written) == seen else 0
+            seen = len(written)
+        held = _proc_figure(m.pid, "VmHWM") - rss
+        faults = _minor_faults(writer)
+    finally:
+        os.kill(writer, signal.SIGCONT)
+    thread.join(timeout=120)
+    per_mib = (_minor_faults(writer) - faults) / mib
+    assert not failed and not thread.is_alive()
+    assert 0 < seen < mib // 2, f"{seen} of {mib} MiB were taken while the store took none"
+    assert held < 128 << 20, f"the mount grew by {held >> 20} MiB while the store took none"
+    assert per_mib < 64, f"the writer took {per_mib:.0f} page faults per MiB written"
+    with open(m.mnt / "big", "rb") as f:
+        for i in (0, seen, mib - 1):
+            f.seek(i << 20)
+            assert f.read(1 << 20) == i.to_bytes(8, "little") + block[8:]
