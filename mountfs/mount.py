@@ -184,6 +184,21 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
         store.close()
 
 
+async def _remove_orphans(engine: Engine) -> None:
+    """Delete the inodes an earlier mount left unlinked but open. If that cannot be
+    committed (a full disk: the deletion itself needs a few pages), the mount goes on: the
+    files stay invisible, and the next mount tries again."""
+    from .namespace import FsError
+    try:
+        n = await engine.remove_orphans()
+    except FsError as e:
+        log.warning("could not delete the unlinked inodes an earlier mount left open (%s); "
+                    "the next mount will try again", e.args[1])
+        return
+    if n:
+        log.info("deleted %d unlinked inodes left open by an earlier mount", n)
+
+
 async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> None:
     import pyfuse3
     import trio
@@ -192,9 +207,7 @@ async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> Non
     from .namespace import FsError
     engine.start()
     if not engine.store.readonly:
-        n = await engine.remove_orphans()
-        if n:
-            log.info("deleted %d unlinked inodes left open by an earlier mount", n)
+        await _remove_orphans(engine)
     async with trio.open_nursery() as nursery:
         engine.files.nursery = nursery
         if not engine.store.readonly:

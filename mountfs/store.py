@@ -214,8 +214,21 @@ class Store:
             txn.commit()
 
     def free_bytes(self) -> int:
-        """Free space on the store's disk (not counting LMDB's free pages)."""
-        return _free_bytes(self.path)
+        """Free space on the store's disk, plus the data file's preallocated tail (space
+        LMDB writes without taking more from the disk; not counting LMDB's free pages)."""
+        return _free_bytes(self.path) + self._tail()
+
+    @property
+    def data_file(self) -> Path:
+        return _data_file(self.path)
+
+    def pages_end(self) -> int:
+        """Where LMDB's last page ends in the data file (bytes)."""
+        return (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+
+    def _tail(self) -> int:
+        """Bytes of the data file past LMDB's last page (prealloc.Preallocator's)."""
+        return max(0, os.stat(self.data_file).st_size - self.pages_end())
 
     @contextmanager
     def _write_errors(self) -> Iterator[None]:
@@ -244,14 +257,15 @@ class Store:
     def disk_usage(self) -> tuple[int, int, int]:
         """(store bytes used, bytes free, disk bytes total) for statfs. Free is the disk's
         free space plus the pages inside the data file that LMDB holds free for reuse (the
-        file never shrinks: space given back by a deleted snapshot lands there)."""
+        file never shrinks: space given back by a deleted snapshot lands there) and the
+        file's preallocated tail."""
         st = os.statvfs(self.path)
         psize = self.env.stat()["psize"]
         with self.env.begin() as txn:
             in_use = sum(_pages(txn.stat(db)) for db in self.db.values()) + \
                 _pages(self.env.stat())
         file_pages = self.env.info()["last_pgno"] + 1
-        free_inside = max(0, file_pages - in_use) * psize
+        free_inside = max(0, file_pages - in_use) * psize + self._tail()
         return in_use * psize, st.f_bavail * st.f_frsize + free_inside, \
             st.f_blocks * st.f_frsize
 

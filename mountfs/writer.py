@@ -65,6 +65,7 @@ import trio
 
 from .committer import LIVE, Committer, Step
 from .memory import keep_freed_buffers
+from .prealloc import Preallocator
 from .namespace import FsError
 from .store import Store
 
@@ -430,9 +431,11 @@ class _Writer:
         with store.read() as txn:
             live = store.live_epoch(txn)
         self.committer = Committer(store, live, self._committed, self._ran)
+        self.prealloc = Preallocator(store)
 
     def serve(self, incoming) -> None:
         self.committer.start()
+        self.prealloc.start()
         try:
             while True:
                 frame = _read_frame(incoming)
@@ -444,6 +447,7 @@ class _Writer:
                 self._submit(op, seq, memoryview(frame)[HEADER.size:], pickled)
         finally:
             self.committer.stop()
+            self.prealloc.stop()
 
     def _submit(self, op: int, seq: int, body: memoryview, pickled: int) -> None:
         try:
@@ -467,6 +471,7 @@ class _Writer:
 
     def _committed(self, n: int, txn_no: int) -> None:
         self._send("committed", n, txn_no)
+        self.prealloc.wake()
 
     def _send(self, kind: str, *body) -> None:
         frame = (kind, *body, self.committer.answers_early())

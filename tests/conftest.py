@@ -7,6 +7,8 @@ them) and skip with the reason elsewhere.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -65,6 +67,29 @@ def drop_caches() -> None:
     os.sync()
     for _ in range(2):      # a second pass frees what the first released
         Path("/proc/sys/vm/drop_caches").write_text("2\n")
+
+
+@contextlib.contextmanager
+def tmpfs_disk(path: Path, size: str):
+    """A disk of ``size`` (a tmpfs) at ``path``, for the tests that fill one."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_disk(path: Path, most_mib: int) -> None:
+    """Write ``path`` in 1 MiB blocks of random data, then fsync, on a disk that fills
+    before ``most_mib``: the call that fails (write, fsync or close) must say ENOSPC."""
+    with pytest.raises(OSError) as info:
+        with open(path, "wb") as h:
+            for _ in range(most_mib):
+                h.write(os.urandom(1 << 20))
+            os.fsync(h.fileno())
+    assert info.value.errno == errno.ENOSPC, info.value
 
 
 def fsck_clean(store: Path) -> None:

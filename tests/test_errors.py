@@ -14,7 +14,7 @@ from pathlib import Path
 import blake3
 import lmdb
 import pytest
-from conftest import cli, fsck_clean
+from conftest import cli, fill_disk, fsck_clean, tmpfs_disk
 
 from mountfs import schema as S
 
@@ -98,14 +98,9 @@ def test_umount_refuses_what_is_not_a_mountfs_mount(tmp_path):
     (tmp_path / "plain").mkdir()
     fails_clearly("mountfs", "umount", tmp_path / "plain", contains="is not a mountfs mount")
     fails_clearly("mountfs", "umount", tmp_path / "missing", contains="is not a mountfs mount")
-    other = tmp_path / "tmpfs"
-    other.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(other)], check=True)
-    try:
+    with tmpfs_disk(tmp_path / "tmpfs", "1m") as other:
         fails_clearly("mountfs", "umount", other, contains="is not a mountfs mount")
         assert os.path.ismount(other)                    # someone else's mount stays
-    finally:
-        subprocess.run(["umount", str(other)], check=False)
 
 
 def test_a_store_is_mounted_once(make_mount, tmp_path):
@@ -164,11 +159,8 @@ def test_unknown_commands_and_options_are_one_line(mounted):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    path = tmp_path / "small"
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(path)], check=True)
-    yield path
-    subprocess.run(["umount", "-l", str(path)], check=False)
+    with tmpfs_disk(tmp_path / "small", "40m") as path:
+        yield path
 
 
 def test_a_full_disk_is_told_without_fsync(small_disk, make_mount):
@@ -201,12 +193,7 @@ def test_a_full_disk_reaches_the_writer_and_loses_nothing(small_disk, make_mount
     with open(m.mnt / "keep", "wb") as h:
         h.write(keep)
         os.fsync(h.fileno())
-    with pytest.raises(OSError) as info:                 # on write, fsync or close
-        with open(m.mnt / "flood", "wb") as h:
-            for _ in range(200):
-                h.write(os.urandom(1 << 20))
-            os.fsync(h.fileno())
-    assert info.value.errno == errno.ENOSPC, info.value
+    fill_disk(m.mnt / "flood", 200)
     assert m.pid == pid and os.path.ismount(m.mnt)       # the mount survived it
     os.unlink(m.mnt / "flood")
     assert (m.mnt / "keep").read_bytes() == keep

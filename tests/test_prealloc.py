@@ -1,0 +1,120 @@
+"""The data file prepared ahead of LMDB's writes (mountfs.prealloc): allocated and in the
+page cache past LMDB's last page, counted as free space, harmless to a crash, and given up
+on a disk running out of space."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+
+import pytest
+
+from conftest import cli, fill_disk, fsck_clean, tmpfs_disk
+from mountfs.prealloc import AHEAD, STEP
+from mountfs.store import Store
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _tail(store_path) -> tuple[int, int]:
+    """(where LMDB's pages end, the data file's size), read as another process would."""
+    store = Store.open(store_path, readonly=True, lock=False)
+    try:
+        return store.pages_end(), os.stat(store.data_file).st_size
+    finally:
+        store.close()
+
+
+def _resident_share(path, start: int, end: int) -> float:
+    """The share of the pages of ``path`` in [start, end) in the page cache (mincore)."""
+    start -= start % mmap.PAGESIZE
+    length = end - start
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+        assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            pages = -(-length // mmap.PAGESIZE)
+            vec = ctypes.create_string_buffer(pages)
+            assert _libc.mincore(address, length, vec) == 0, ctypes.get_errno()
+            return sum(b & 1 for b in vec.raw) / pages
+        finally:
+            _libc.munmap(address, length)
+    finally:
+        os.close(fd)
+
+
+def _prepared(store_path, within: float = 10.0) -> tuple[int, int]:
+    """Wait until the data file reaches at least STEP past LMDB's pages (the thread runs
+    after a commit): (pages end, file size)."""
+    deadline = time.monotonic() + within
+    while True:
+        end, size = _tail(store_path)
+        if size - end >= STEP or time.monotonic() > deadline:
+            return end, size
+        time.sleep(0.05)
+
+
+def test_the_data_file_is_prepared_ahead_of_lmdb_and_counted_free(make_mount):
+    m = make_mount()
+    data = os.urandom(1 << 20)
+    with open(m.mnt / "big", "wb") as f:
+        for i in range(48):
+            f.write(i.to_bytes(8, "little") + data[8:])
+        os.fsync(f.fileno())
+    end, size = _prepared(m.store)
+    assert STEP <= size - end <= AHEAD + STEP, (end, size)
+    assert _resident_share(m.store / "data.mdb", end, size) > 0.9
+    disk, mounted = os.statvfs(m.store), os.statvfs(m.mnt)
+    free_disk = disk.f_bavail * disk.f_frsize
+    free_mount = mounted.f_bavail * mounted.f_frsize
+    assert free_mount >= free_disk + (size - end) - (4 << 20), \
+        "the mount's free space leaves out the data file's prepared tail"
+    m.kill9()                                   # a crash leaves the longer file: harmless
+    m.mount()
+    with open(m.mnt / "big", "rb") as f:
+        for i in range(48):
+            assert f.read(1 << 20) == i.to_bytes(8, "little") + data[8:]
+    m.umount()
+    fsck_clean(m.store)
+    m.mount()
+
+
+@pytest.fixture
+def disk_of_400m(tmp_path):
+    with tmpfs_disk(tmp_path / "disk", "400m") as path:
+        yield path
+
+
+def test_a_disk_filling_up_stops_the_preparing_and_loses_nothing(disk_of_400m, make_mount):
+    """With 400 MiB the store starts above the margin where it prepares space, and fills
+    the disk past it: ENOSPC reaches the program, what it fsynced before stays, a file can
+    be written after a delete, and the store mounts again (even though, on a disk this
+    full, the deleted file's inode could not be reclaimed at its close)."""
+    store = disk_of_400m / "store"
+    cli("mountfs", "mkfs", store)
+    m = make_mount(store)
+    keep = os.urandom(8 << 20)
+    with open(m.mnt / "keep", "wb") as h:
+        h.write(keep)
+        os.fsync(h.fileno())
+    end, size = _prepared(store)
+    assert size - end >= STEP, "nothing was prepared while the disk had room"
+    fill_disk(m.mnt / "flood", 600)
+    assert os.path.ismount(m.mnt)
+    os.unlink(m.mnt / "flood")
+    assert (m.mnt / "keep").read_bytes() == keep
+    with open(m.mnt / "after", "wb") as h:
+        h.write(keep)
+        os.fsync(h.fileno())
+    m.umount()
+    fsck_clean(store)
+    m.mount()                   # a deletion that could not commit does not stop it
+    assert (m.mnt / "after").read_bytes() == keep
