@@ -127,6 +127,7 @@ class OpenFile:
         self.mtime_ns: int | None = None      # set when a write changed the file
         self.dirty: dict[int, DirtyChunk] = {}
         self.queued = 0                       # bytes of dirty chunks that are queued
+        self.flushing = 0                     # background flushes started, not ended
         self.opens = 0
         self.lock = CommitLock()
         self.error: int | None = None         # a failed background flush, reported once
@@ -231,12 +232,21 @@ class FileCache:
         for idx in full:
             self._queue(of, of.dirty[idx])
             self._flush_later(of, [idx])
-        while self.dirty_bytes > DIRTY_LIMIT:
+        while self.dirty_bytes > DIRTY_LIMIT and of.error is None:
             self._flush_later(of, sorted(of.dirty))
             await self._wait_flushed()
-        while of.queued > FLUSH_AHEAD and of.error is None:    # an error: the next call says
-            await self._wait_flushed()
+        await self._hold_back(of)
         return len(buf)
+
+    async def _hold_back(self, of: OpenFile) -> None:
+        """Past FLUSH_AHEAD of ``of``'s complete chunks waiting for their commit, wait until
+        the store has taken them, with a flush under way (the one that failed, or found its
+        chunks rewritten meanwhile, has ended). An error ends the wait: the next call on
+        the file reports it."""
+        while of.queued > FLUSH_AHEAD and of.error is None and self.nursery is not None:
+            if not of.flushing:
+                self._flush_later(of, [])
+            await self._wait_flushed()
 
     async def _wait_flushed(self) -> None:
         """Until a commit of buffered chunks ends (or fails)."""
@@ -307,6 +317,7 @@ class FileCache:
 
     def _flush_later(self, of: OpenFile, idxs: list[int]) -> None:
         if self.nursery is not None:
+            of.flushing += 1
             self.nursery.start_soon(self._flush_background, of, idxs)
 
     async def _flush_background(self, of: OpenFile, idxs: list[int]) -> None:
@@ -314,7 +325,9 @@ class FileCache:
             await self.flush_chunks(of, idxs, final=False)
         except FsError as e:
             of.error = e.errno
-            self.flushed.set()          # a writer waiting for this flush hears of it
+        finally:
+            of.flushing -= 1
+            self.flushed.set()          # a writer held back hears of it, whatever happened
 
     async def flush(self, of: OpenFile) -> None:
         """Commit every dirty chunk and the file's size and mtime. Nothing dirty and no

@@ -192,6 +192,8 @@ async def _remove_orphans(engine: Engine) -> None:
     try:
         n = await engine.remove_orphans()
     except FsError as e:
+        if e.errno != errno.ENOSPC:
+            raise
         log.warning("could not delete the unlinked inodes an earlier mount left open (%s); "
                     "the next mount will try again", e.args[1])
         return

@@ -15,7 +15,7 @@ Why it is safe: LMDB reads no page past the last one its meta page names, so a l
 changes nothing it reads, after a crash either; ``fallocate`` never changes bytes already
 written. Only growth is prepared: pages LMDB reuses from its free list are left alone.
 Space: the file is at most AHEAD longer than LMDB's pages (``Store.free_bytes`` counts it as
-free), and nothing is taken from a disk with less than DEFER_MARGIN free. A filesystem
+free), and no allocation leaves the disk with less than DEFER_MARGIN free. A filesystem
 without ``fallocate`` (FUSE, some network filesystems) just goes without; so does the
 power-loss test's recording filesystem, which is why ``tests/test_prealloc.py`` checks a
 kill -9 with a prepared tail instead.
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 AHEAD = 64 << 20        # allocated and cached past LMDB's last page (two TXN_BYTES commits)
 STEP = 8 << 20          # prepared at once at least (one fallocate per 8 MiB or more)
 READAHEAD = 128 << 10   # the kernel's default readahead window: what one WILLNEED brings in
-_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)     # no fallocate here
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -88,19 +88,30 @@ class Preallocator:
                 self._woken.clear()
                 if self._stopping:
                     return
-                want = self.store.pages_end() + AHEAD
-                if want - prepared < STEP or self.store.free_bytes() < DEFER_MARGIN:
-                    continue
-                try:
-                    _fallocate(fd, prepared, want - prepared)
-                except OSError as e:
-                    if e.errno in _UNSUPPORTED:
-                        log.info("%s: no fallocate here (%s): the data file grows as "
-                                 "LMDB writes", self.store.path, e.strerror)
-                        return
-                    prepared = max(prepared, os.fstat(fd).st_size)     # what it did allocate
-                    continue
-                _cache(fd, prepared, want)
-                prepared = want
+                prepared = self._prepare(fd, prepared)
+        except OSError as e:
+            log.info("%s: the data file is no longer prepared ahead of LMDB (%s): it grows "
+                     "as LMDB writes", self.store.path, e.strerror)
+        except Exception:
+            log.exception("%s: the data file is no longer prepared ahead of LMDB",
+                          self.store.path)
         finally:
             os.close(fd)
+
+    def _prepare(self, fd: int, prepared: int) -> int:
+        """Allocate and cache from LMDB's end (or what is prepared already, if further) to
+        AHEAD past LMDB's end, if that is STEP or more and leaves DEFER_MARGIN free on the
+        disk; returns how far the file is prepared. OSError: preparing is not possible
+        here (no fallocate)."""
+        end = self.store.pages_end()
+        start, want = max(prepared, end), end + AHEAD
+        if want - start < STEP or self.store.disk_free() - (want - start) < DEFER_MARGIN:
+            return prepared
+        try:
+            _fallocate(fd, start, want - start)
+        except OSError as e:
+            if e.errno in _UNSUPPORTED:
+                raise
+            return max(prepared, os.fstat(fd).st_size)    # a full disk: what it did allocate
+        _cache(fd, start, want)
+        return want

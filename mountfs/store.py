@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import time
@@ -216,7 +217,11 @@ class Store:
     def free_bytes(self) -> int:
         """Free space on the store's disk, plus the data file's preallocated tail (space
         LMDB writes without taking more from the disk; not counting LMDB's free pages)."""
-        return _free_bytes(self.path) + self._tail()
+        return self.disk_free() + self._tail()
+
+    def disk_free(self) -> int:
+        """Free space on the store's disk, and nothing else."""
+        return _free_bytes(self.path)
 
     @property
     def data_file(self) -> Path:
@@ -224,7 +229,11 @@ class Store:
 
     def pages_end(self) -> int:
         """Where LMDB's last page ends in the data file (bytes)."""
-        return (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        return (self.env.info()["last_pgno"] + 1) * self.psize
+
+    @functools.cached_property
+    def psize(self) -> int:
+        return self.env.stat()["psize"]
 
     def _tail(self) -> int:
         """Bytes of the data file past LMDB's last page (prealloc.Preallocator's)."""
@@ -260,7 +269,7 @@ class Store:
         file never shrinks: space given back by a deleted snapshot lands there) and the
         file's preallocated tail."""
         st = os.statvfs(self.path)
-        psize = self.env.stat()["psize"]
+        psize = self.psize
         with self.env.begin() as txn:
             in_use = sum(_pages(txn.stat(db)) for db in self.db.values()) + \
                 _pages(self.env.stat())

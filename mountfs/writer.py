@@ -435,19 +435,24 @@ class _Writer:
 
     def serve(self, incoming) -> None:
         self.committer.start()
-        self.prealloc.start()
         try:
-            while True:
-                frame = _read_frame(incoming)
-                if frame is None:       # the mount is gone (it died: we are killed too)
-                    break
-                op, seq, pickled = HEADER.unpack_from(frame)
-                if op == STOP:
-                    break
-                self._submit(op, seq, memoryview(frame)[HEADER.size:], pickled)
+            self.prealloc.start()
+            try:
+                self._take_frames(incoming)
+            finally:
+                self.prealloc.stop()
         finally:
             self.committer.stop()
-            self.prealloc.stop()
+
+    def _take_frames(self, incoming) -> None:
+        while True:
+            frame = _read_frame(incoming)
+            if frame is None:           # the mount is gone (it died: we are killed too)
+                return
+            op, seq, pickled = HEADER.unpack_from(frame)
+            if op == STOP:
+                return
+            self._submit(op, seq, memoryview(frame)[HEADER.size:], pickled)
 
     def _submit(self, op: int, seq: int, body: memoryview, pickled: int) -> None:
         try:

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from conftest import cli, fill_disk, fsck_clean, tmpfs_disk
-from mountfs.prealloc import AHEAD, STEP
+from mountfs.committer import DEFER_MARGIN
+from mountfs.prealloc import AHEAD, STEP, Preallocator
 from mountfs.store import Store
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -51,13 +52,15 @@ def _resident_share(path, start: int, end: int) -> float:
         os.close(fd)
 
 
-def _prepared(store_path, within: float = 10.0) -> tuple[int, int]:
-    """Wait until the data file reaches at least STEP past LMDB's pages (the thread runs
-    after a commit): (pages end, file size)."""
+def _prepared(store_path, cached: bool = True, within: float = 30.0) -> tuple[int, int]:
+    """Wait until the data file reaches at least STEP past LMDB's pages and (``cached``)
+    that tail is in the page cache (the thread runs after a commit, and caches after it
+    allocates): (pages end, file size)."""
     deadline = time.monotonic() + within
     while True:
         end, size = _tail(store_path)
-        if size - end >= STEP or time.monotonic() > deadline:
+        if size - end >= STEP and (not cached or _resident_share(
+                store_path / "data.mdb", end, size) > 0.9) or time.monotonic() > deadline:
             return end, size
         time.sleep(0.05)
 
@@ -105,8 +108,15 @@ def test_a_disk_filling_up_stops_the_preparing_and_loses_nothing(disk_of_400m, m
     with open(m.mnt / "keep", "wb") as h:
         h.write(keep)
         os.fsync(h.fileno())
-    end, size = _prepared(store)
+    end, size = _prepared(store, cached=False)          # tmpfs: no page cache of its own
     assert size - end >= STEP, "nothing was prepared while the disk had room"
+    with open(m.mnt / "most", "wb") as h:               # 248 of 400 MiB: below the margin
+        for _ in range(240):
+            h.write(os.urandom(1 << 20))
+        os.fsync(h.fileno())
+    end, size = _tail(store)
+    assert os.statvfs(store).f_bavail * os.statvfs(store).f_frsize < DEFER_MARGIN
+    assert size - end < STEP, "the data file was prepared on a disk below the margin"
     fill_disk(m.mnt / "flood", 600)
     assert os.path.ismount(m.mnt)
     os.unlink(m.mnt / "flood")
@@ -118,3 +128,32 @@ def test_a_disk_filling_up_stops_the_preparing_and_loses_nothing(disk_of_400m, m
     fsck_clean(store)
     m.mount()                   # a deletion that could not commit does not stop it
     assert (m.mnt / "after").read_bytes() == keep
+
+
+def test_no_allocation_leaves_the_disk_below_the_margin(disk_of_400m):
+    """The tail counts as free for the store, but what the preparing takes from the disk is
+    weighed against the disk alone: with DEFER_MARGIN + AHEAD / 2 free nothing is
+    allocated; with DEFER_MARGIN + 2 * AHEAD free it is, and the disk keeps the margin."""
+    store_path = disk_of_400m / "store"
+    cli("mountfs", "mkfs", store_path)
+    store = Store.open(store_path)
+    try:
+        filler = disk_of_400m / "filler"
+        fd = os.open(store.data_file, os.O_RDWR)
+        try:
+            prepared = os.fstat(fd).st_size
+            for free, allocates in ((DEFER_MARGIN + AHEAD // 2, False),
+                                    (DEFER_MARGIN + 2 * AHEAD, True)):
+                filler.unlink(missing_ok=True)
+                with open(filler, "wb") as f:
+                    f.truncate(0)
+                    f.write(bytes(store.disk_free() - free))
+                now = Preallocator(store)._prepare(fd, prepared)
+                grew = os.fstat(fd).st_size - prepared
+                assert (grew >= STEP) == allocates, (free >> 20, grew >> 20)
+                assert (now > prepared) == allocates
+                assert store.disk_free() >= DEFER_MARGIN
+        finally:
+            os.close(fd)
+    finally:
+        store.close()
