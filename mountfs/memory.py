@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-log = logging.getLogger("mountfs")
+log = logging.getLogger(__name__)
 
 MALLOC_MMAP_THRESHOLD = 32 << 20   # glibc's largest; a chunk-sized buffer stays on the heap
 MALLOC_TRIM_THRESHOLD = 256 << 20  # freed heap kept up to this much (a few commit groups)

@@ -4,7 +4,6 @@ on a disk running out of space."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import time
@@ -13,15 +12,9 @@ import pytest
 
 from conftest import cli, fill_disk, fsck_clean, tmpfs_disk
 from mountfs.committer import DEFER_MARGIN
+from mountfs.mapread import resident
 from mountfs.prealloc import AHEAD, STEP, Preallocator
 from mountfs.store import Store
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def _tail(store_path) -> tuple[int, int]:
@@ -33,23 +26,11 @@ def _tail(store_path) -> tuple[int, int]:
         store.close()
 
 
-def _resident_share(path, start: int, end: int) -> float:
-    """The share of the pages of ``path`` in [start, end) in the page cache (mincore)."""
-    start -= start % mmap.PAGESIZE
-    length = end - start
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        address = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-        assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-        try:
-            pages = -(-length // mmap.PAGESIZE)
-            vec = ctypes.create_string_buffer(pages)
-            assert _libc.mincore(address, length, vec) == 0, ctypes.get_errno()
-            return sum(b & 1 for b in vec.raw) / pages
-        finally:
-            _libc.munmap(address, length)
-    finally:
-        os.close(fd)
+def _resident(path, start: int, end: int) -> bool:
+    """Whether every page of ``path`` in [start, end) is in the page cache."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), end, access=mmap.ACCESS_READ) as m:
+        with memoryview(m)[start:end] as tail:
+            return resident(tail)
 
 
 def _prepared(store_path, cached: bool = True, within: float = 30.0) -> tuple[int, int]:
@@ -59,8 +40,8 @@ def _prepared(store_path, cached: bool = True, within: float = 30.0) -> tuple[in
     deadline = time.monotonic() + within
     while True:
         end, size = _tail(store_path)
-        if size - end >= STEP and (not cached or _resident_share(
-                store_path / "data.mdb", end, size) > 0.9) or time.monotonic() > deadline:
+        if size - end >= STEP and (not cached or _resident(store_path / "data.mdb", end, size)) \
+                or time.monotonic() > deadline:
             return end, size
         time.sleep(0.05)
 
@@ -74,7 +55,7 @@ def test_the_data_file_is_prepared_ahead_of_lmdb_and_counted_free(make_mount):
         os.fsync(f.fileno())
     end, size = _prepared(m.store)
     assert STEP <= size - end <= AHEAD + STEP, (end, size)
-    assert _resident_share(m.store / "data.mdb", end, size) > 0.9
+    assert _resident(m.store / "data.mdb", end, size)
     disk, mounted = os.statvfs(m.store), os.statvfs(m.mnt)
     free_disk = disk.f_bavail * disk.f_frsize
     free_mount = mounted.f_bavail * mounted.f_frsize
