@@ -290,7 +290,7 @@ class Engine:
         answer, like a failed commit: the committer then refuses every later change."""
         step = Step(LIVE, fn, args, nbytes, posted=marks)
         for key, value in (records or {}).items():     # first: a record that cannot be
-            step.predicted[key] = value.evolve(mepoch=self.live).pack() \
+            step.predicted[key] = value.pack_at(self.live) \
                 if isinstance(value, S.Inode) else value   # packed leaves nothing counted
         self._committer.post(step)     # first: a step that is not data goes no further
         self._uncommitted += 1

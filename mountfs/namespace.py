@@ -203,7 +203,7 @@ class Live(View):
                 rec = self.get(parent)
                 if rec.mepoch < self.live:
                     put_live(self.txn, self.db["inodes"], S.inode_key(parent),
-                             rec.evolve(mepoch=self.live).pack(), self.live)
+                             rec.pack_at(self.live), self.live)
                     todo.append(parent)
 
     def log_change(self, parent: int, name: bytes) -> None:

@@ -218,7 +218,7 @@ def _restore_record(live: Live, dbname: str, base: bytes, now, then, done: Rollb
         if then is None:
             delete_live(txn, db, base, L)
         else:
-            put_live(txn, db, base, S.Inode.unpack(then).evolve(mepoch=L).pack(), L)
+            put_live(txn, db, base, S.Inode.unpack(then).pack_at(L), L)
         done.inodes.add(ino)
     elif dbname == "dirents":
         parent, name = S.from_u64(base[:8]), S.name_of_dirent_key(base)
