@@ -188,7 +188,7 @@ class Inode(NamedTuple):
 
     # These run several times per created file on the mount's trio thread, so they build
     # the tuple directly (tuple.__new__ with all 13 fields) instead of through NamedTuple's
-    # keyword machinery: 0.3-0.9 µs each saved (docs/benchmarks.md, fifteenth round).
+    # keyword machinery: 0.2-0.9 µs each saved (docs/benchmarks.md, fifteenth round).
 
     def pack(self) -> bytes:
         return _INODE.pack(*self[:11], len(self.name)) + self.name + self.target
