@@ -342,14 +342,17 @@ class Engine:
         self._note(step)
         finished.set()
 
-    def _on_ran(self, steps: list[Step]) -> None:
-        """In the committer's thread: posted steps have run."""
-        _post(self._token, self._ran, steps)
+    def _on_ran(self, steps: list[Step], committed: int) -> None:
+        """In the committer's thread: posted steps have run; ``committed``: the transaction
+        whose commit is told right after (0: none)."""
+        _post(self._token, self._ran, steps, committed)
 
-    def _ran(self, steps: list[Step]) -> None:
+    def _ran(self, steps: list[Step], committed: int) -> None:
         """On the trio thread once posted steps have run: their marks are now the ones
         they reported, and their records the ones they wrote (unless a later posted step
-        will write them again)."""
+        will write them again). Steps of transaction ``committed`` are committed already
+        (told in the same frame, mostly all of them): nothing of theirs is left to note,
+        only the records they were answered with to forget."""
         for step in steps:
             self._posted_bytes -= step.nbytes
             for mark in step.posted:
@@ -359,7 +362,10 @@ class Engine:
                 else:
                     del self._posted[mark]
         for step in steps:
-            self._note(step)
+            if committed and step.txn_no == committed:
+                self._forget_records(step)
+            else:
+                self._note(step)
             wrong = [key for key, value in step.predicted.items()
                      if step.records.get(key, value) not in (value, None)]
             if wrong and step.error is None:
@@ -378,6 +384,13 @@ class Engine:
         self._dirty_in.setdefault(step.txn_no, []).extend(step.marks)
         self._records.update((ino, raw) for ino, raw in step.records.items()
                              if raw is not None and ino not in self._posted)
+
+    def _forget_records(self, step: Step) -> None:
+        """What ``_note`` then ``_committed`` leave of a step's marks: the records of those
+        that neither another uncommitted change nor a posted step still holds."""
+        for mark in itertools.chain(step.posted, step.marks):
+            if mark not in self._posted and mark not in self._dirty:
+                self._records.pop(mark, None)
 
     def _on_commit(self, steps: int, txn_no: int) -> None:
         """In the committer's thread after each commit (or a refused live step)."""

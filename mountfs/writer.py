@@ -36,9 +36,12 @@ request, from 0.35 to 0.63 s per GiB written: docs/benchmarks.md, eleventh round
 the writer cannot read fails that step alone, as a step that raised would.
 
 Writer -> mount, ``multiprocessing.connection`` frames, pickled: ``("reply", outcome, ok)``,
-``("ran", [outcome, ...], ok)``, ``("committed", n, txn_no, ok)``, where ``outcome`` is
-``(seq, result, error, marks, records, txn_no, live)`` and ``ok`` is whether changes are
-still answered before their commit (``Committer.answers_early``).
+``("ran", [outcome, ...], ok)``, ``("committed", n, txn_no, [outcome, ...], ok)``, where
+``outcome`` is ``(seq, result, error, marks, records, txn_no, live)`` and ``ok`` is whether
+changes are still answered before their commit (``Committer.answers_early``). Posted steps
+that ran are told with the next commit, which follows within COMMIT_DELAY (their
+transaction's), or before the next reply: one frame per batch instead of two, and the
+mount need not note as uncommitted what the same frame says is committed.
 """
 
 from __future__ import annotations
@@ -98,7 +101,10 @@ class WriterProcess:
     """The mount's side: the committer's interface (``start``, ``put``, ``post``,
     ``answers_early``, ``stop``, ``failed``), served by the writer process. ``put`` and
     ``post`` are called from the trio thread only; the callbacks (each step's ``done``,
-    ``committed``, ``ran``) are called from this object's reader thread."""
+    ``committed(n, txn_no)``, ``ran(steps, committed)``) are called from this object's
+    reader thread, in the committer's order. ``ran``'s ``committed`` is the transaction
+    whose commit ``committed`` tells right after (0: none): the steps of it among
+    ``steps`` are committed already."""
 
     def __init__(self, store: Store, committed, ran):
         self.store = store
@@ -271,9 +277,12 @@ class WriterProcess:
             step = self._answered(rest[0])
             step.done(step)
         elif kind == "ran":
-            self._on_ran([self._answered(outcome) for outcome in rest[0]])
+            self._on_ran([self._answered(outcome) for outcome in rest[0]], 0)
         elif kind == "committed":
-            self._committed(rest[0], rest[1])
+            n, txn_no, ran = rest[0], rest[1], rest[2]
+            if ran:
+                self._on_ran([self._answered(outcome) for outcome in ran], txn_no)
+            self._committed(n, txn_no)
 
     def _answered(self, outcome: tuple) -> Step:
         seq, result, error, marks, records, txn_no, live = outcome
@@ -310,7 +319,7 @@ class WriterProcess:
             else:
                 step.done(step)
         if posted:
-            self._on_ran(posted)
+            self._on_ran(posted, 0)
         live = sum(1 for step in steps if step.kind == LIVE)
         if live:
             self._committed(live, 0)    # counted as pending by the engine: never will be
@@ -432,6 +441,7 @@ class _Writer:
             live = store.live_epoch(txn)
         self.committer = Committer(store, live, self._committed, self._ran)
         self.prealloc = Preallocator(store)
+        self.ran: list[tuple] = []      # outcomes of posted steps not yet told (see _ran)
 
     def serve(self, incoming) -> None:
         self.committer.start()
@@ -443,6 +453,7 @@ class _Writer:
                 self.prealloc.stop()
         finally:
             self.committer.stop()
+            self._tell_ran()
 
     def _take_frames(self, incoming) -> None:
         while True:
@@ -469,13 +480,22 @@ class _Writer:
             self.committer.put(step)
 
     def _reply(self, step: Step) -> None:
+        self._tell_ran()                # the committer's order: what ran before, first
         self._send("reply", _outcome(step))
 
     def _ran(self, steps: list[Step]) -> None:
-        self._send("ran", [_outcome(step) for step in steps])
+        """Posted steps ran: told with the commit that follows (``_committed``), or before
+        a reply, or when the writer stops; nobody waits for them meanwhile."""
+        self.ran.extend(_outcome(step) for step in steps)
+
+    def _tell_ran(self) -> None:
+        if self.ran:
+            ran, self.ran = self.ran, []
+            self._send("ran", ran)
 
     def _committed(self, n: int, txn_no: int) -> None:
-        self._send("committed", n, txn_no)
+        ran, self.ran = self.ran, []
+        self._send("committed", n, txn_no, ran)
         self.prealloc.wake()
 
     def _send(self, kind: str, *body) -> None:
@@ -511,6 +531,8 @@ def _portable(frame: tuple, problem: Exception) -> tuple:
         body[0] = fix(body[0])
     elif kind == "ran":
         body[0] = [fix(outcome) for outcome in body[0]]
+    elif kind == "committed":
+        body[2] = [fix(outcome) for outcome in body[2]]
     return (kind, *body)
 
 

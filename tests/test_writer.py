@@ -69,7 +69,8 @@ def test_posted_steps_go_to_the_writer_by_themselves(tmp_path):
     cli("mountfs", "mkfs", path)
     store = Store.open(path)
     ran: list[Step] = []
-    writer = WriterProcess(store, lambda n, txn_no: None, ran.extend)
+    writer = WriterProcess(store, lambda n, txn_no: None,
+                           lambda steps, committed: ran.extend(steps))
 
     async def post_and_wait() -> int:
         writer.start()
@@ -130,7 +131,7 @@ def test_a_step_that_is_not_data_is_refused_where_it_is_sent(tmp_path):
     store = Store.open(path)
     with store.read() as txn:
         live = store.live_epoch(txn)
-    writer = WriterProcess(store, lambda n, txn_no: None, lambda steps: None)
+    writer = WriterProcess(store, lambda n, txn_no: None, lambda steps, committed: None)
     writer.start()
     try:
         replies: queue.SimpleQueue = queue.SimpleQueue()
@@ -189,7 +190,7 @@ def test_chunk_data_crosses_to_the_writer_intact_and_in_order(tmp_path, in_trio)
     chunks = [os.urandom(store.chunk_size) for _ in range(3)]
     names = [b"after%d" % n for n in range(20)]
     replies: queue.SimpleQueue = queue.SimpleQueue()
-    writer = WriterProcess(store, lambda n, txn_no: None, lambda steps: None)
+    writer = WriterProcess(store, lambda n, txn_no: None, lambda steps, committed: None)
 
     def create_big_file() -> int:
         writer.start()

@@ -1,0 +1,86 @@
+"""The engine's memory of uncommitted changes (dirty marks, the records answered from, the
+posted steps' counts) is emptied by the commits that end those changes. A record left
+behind would be memory held for every created file for as long as the mount lives; a mark
+left dirty would send every later read of it through the committer. Posted steps that ran
+are told to the mount together with the commit that follows them (mountfs.writer), and
+the mount then forgets their records without noting them first: this checks that the
+shortcut leaves exactly what noting and committing left.
+
+Driven through mountfs's FUSE operations in process (a real store and its writer process;
+no kernel: the engine's dictionaries are what is checked)."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import trio
+
+from conftest import cli
+from mountfs.engine import Engine
+from mountfs.ops import Operations
+from mountfs.store import Store
+
+
+async def _write_file(ops: Operations, parent: int, name: bytes, data: bytes, ctx) -> int:
+    info, attrs = await ops.create(parent, name, 0o644, os.O_WRONLY, ctx)
+    await ops.write(info.fh, 0, data)
+    await ops.flush(info.fh)
+    await ops.release(info.fh)
+    await ops.forget([(attrs.st_ino, 1)])
+    return attrs.st_ino
+
+
+async def _workload(ops: Operations, engine: Engine, ctx) -> None:
+    """Creates, writes, renames, unlinks and rmdirs, posted and awaited, some of them
+    across commits (the pauses) and some racing them."""
+    for round_no in range(6):
+        d = (await ops.mkdir(1, f"d{round_no}".encode(), 0o755, ctx)).st_ino
+        for i in range(150):
+            await _write_file(ops, d, b"f%d" % i, os.urandom(100 + i * 37), ctx)
+            if i % 40 == 0:
+                await trio.sleep(0.012)         # past COMMIT_DELAY: a commit in between
+        for i in range(0, 150, 3):
+            await ops.rename(d, b"f%d" % i, 1, b"r%d-%d" % (round_no, i), 0, ctx)
+        for i in range(1, 150, 3):
+            await ops.unlink(d, b"f%d" % i, ctx)
+        if round_no % 2:
+            for i in range(2, 150, 3):
+                await ops.unlink(d, b"f%d" % i, ctx)
+            await ops.rmdir(1, f"d{round_no}".encode(), ctx)
+
+
+def test_commits_leave_nothing_of_the_changes_they_end(tmp_path):
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path, readonly=False, lock=True, holder="test")
+    engine = Engine(store)
+    ops = Operations(engine, read_only=False)
+    ctx = types.SimpleNamespace(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(),
+                                umask=0o022)
+    left = {}
+
+    async def main() -> None:
+        engine.start()
+        async with trio.open_nursery() as nursery:
+            engine.files.nursery = nursery
+            nursery.start_soon(engine.syncer)
+            await _workload(ops, engine, ctx)
+            await engine.files.flush_all()
+            await engine.sync()             # its reply comes after every commit's news
+            left.update(records=dict(engine._records), dirty=dict(engine._dirty),
+                        dirty_in=dict(engine._dirty_in), posted=dict(engine._posted),
+                        uncommitted=engine._uncommitted, posted_bytes=engine._posted_bytes)
+            entry = await ops.lookup(1, b"r3-30", ctx)
+            left["renamed size"] = entry.st_size
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        engine.close()
+        store.close()
+    assert left.pop("renamed size") == 100 + 30 * 37
+    assert left == {"records": {}, "dirty": {}, "dirty_in": {}, "posted": {},
+                    "uncommitted": 0, "posted_bytes": 0}
+    cli("mountfs", "fsck", path)
