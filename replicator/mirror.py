@@ -499,7 +499,7 @@ class _Apply:
         for x, rec in cs.inodes.items():
             if rec is not None:
                 put_live(live.txn, live.db["inodes"], S.inode_key(x),
-                         rec.evolve(mepoch=live.live).pack(), live.live)
+                         rec.pack_at(live.live), live.live)
 
     def content(self, live: Live, cs: Changeset) -> None:
         for x, xattrs in cs.xattrs.items():

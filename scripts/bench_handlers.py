@@ -6,17 +6,22 @@ requests, as the kernel's fuse tracepoints show: GETATTR of the directory (a cre
 invalidates its attributes, and default_permissions needs its mode for the next path
 walk), LOOKUP (negative), CREATE, GETXATTR security.capability (the first write), WRITE,
 FLUSH and RELEASE. This calls those seven handlers directly, in one trio loop, on
-mountfs's Operations (a real store, its writer process, its committer: everything but
-FUSE) and on the benchmarks' floor (scripts/nullfs.py), and prints the trio thread's CPU
-per file for each and their difference. In a FUSE run (bench_io.py --only small) the
-mount's trio thread is the bottleneck, so that difference is what the mount loses to the
-floor per created file; pyfuse3's request loop, trio's scheduler and the kernel cost both
-the same and are not in these figures.
+mountfs's Operations (a real store, its writer process and committer, the mount's malloc
+policy and GIL switch interval) and on the benchmarks' floor (scripts/nullfs.py), and
+prints the trio thread's CPU per file for each and their difference. Without FUSE's
+run-to-run noise, a change of a few microseconds shows here.
 
-    python scripts/bench_handlers.py [--files 20000] [--repeat 3] [--dir /var/tmp]
+The difference is a lower bound of what the mount's trio thread spends beyond the floor's
+in a FUSE run (bench_io.py --only small): pyfuse3's request loop, trio's scheduler and the
+kernel cost both the same and are not here, but neither are what a real mount adds around
+its handlers (GIL hand-offs with its reply reader between requests, caches cooled by the
+kernel's work).
+
+    python scripts/bench_handlers.py [--files 20000] [--repeat 3] [--workdir /var/tmp]
 
 Each figure is the median of ``--repeat`` rounds of ``--files`` creates, after one round
-of warm-up; mountfs and the floor alternate. Not part of the package.
+of warm-up; mountfs and the floor alternate, and a mount round ends with a sync, so the
+writer's backlog and its replies are charged to the mount. Not part of the package.
 """
 
 from __future__ import annotations
@@ -38,14 +43,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nullfs import NullFS                           # noqa: E402
 
 from mountfs.engine import Engine                   # noqa: E402
+from mountfs.memory import keep_freed_buffers       # noqa: E402
+from mountfs.mount import GIL_SWITCH                # noqa: E402
 from mountfs.ops import CAPABILITY, Operations      # noqa: E402
 from mountfs.store import Store                     # noqa: E402
 
 DATA = b"x" * 1024
 
 
-async def create_files(ops, parent: int, prefix: str, count: int, ctx) -> float:
-    """The seven requests of ``count`` created files; the trio thread's CPU per file."""
+async def create_files(ops, parent: int, prefix: str, count: int, ctx,
+                       engine: Engine | None = None) -> float:
+    """The seven requests of ``count`` created files; the trio thread's CPU per file.
+    With ``engine`` (mountfs), up to the sync of all of them."""
     start = time.thread_time()
     for i in range(count):
         name = f"{prefix}{i}".encode()
@@ -62,11 +71,16 @@ async def create_files(ops, parent: int, prefix: str, count: int, ctx) -> float:
         await ops.flush(info.fh)
         await ops.release(info.fh)
         await trio.lowlevel.checkpoint()        # as between two requests: background work runs
+    if engine is not None:
+        await engine.sync()
     return (time.thread_time() - start) / count
 
 
 async def run_rounds(mount_ops: Operations, engine: Engine, floor_ops: NullFS,
                      files: int, repeat: int) -> dict[str, list[float]]:
+    """Per-file CPU of each round, by side. The engine's background tasks run as in a
+    mount (the periodic sync, the expiry of dirty data; ``files.nursery`` lets a write
+    start a background flush), and the sides alternate so that drift hits both alike."""
     ctx = types.SimpleNamespace(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(),
                                 umask=0o022)
     out = {"mount": [], "floor": []}
@@ -79,7 +93,8 @@ async def run_rounds(mount_ops: Operations, engine: Engine, floor_ops: NullFS,
                 "floor": (await floor_ops.mkdir(1, b"d", 0o755, ctx)).st_ino}
         for rnd in range(repeat + 1):           # round 0 warms up
             for side, ops in (("mount", mount_ops), ("floor", floor_ops)):
-                per_file = await create_files(ops, dirs[side], f"r{rnd}-", files, ctx)
+                per_file = await create_files(ops, dirs[side], f"r{rnd}-", files, ctx,
+                                              engine if side == "mount" else None)
                 if rnd:
                     out[side].append(per_file)
                     print(f"  round {rnd} {side}: {per_file * 1e6:.1f} µs per file",
@@ -90,26 +105,42 @@ async def run_rounds(mount_ops: Operations, engine: Engine, floor_ops: NullFS,
     return out
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def main() -> int:
+    """Set the process up as a mount does, make a store, run the rounds, print."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--files", type=int, default=20000, help="files per round")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds measured (median)")
-    ap.add_argument("--dir", default="/var/tmp", help="where the store is made")
+    ap.add_argument("--files", type=_at_least_one, default=20000,
+                    help="files created per round (default: 20000)")
+    ap.add_argument("--repeat", type=_at_least_one, default=3,
+                    help="rounds measured, after one of warm-up; figures are medians "
+                         "(default: 3)")
+    ap.add_argument("--workdir", default="/var/tmp",
+                    help="directory where the store is made and removed (default: /var/tmp)")
     args = ap.parse_args()
+    keep_freed_buffers()
+    sys.setswitchinterval(GIL_SWITCH)
     load = os.getloadavg()
     print(f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} "
           f"CPUs; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    path = tempfile.mkdtemp(prefix="bench-handlers-", dir=args.dir)
+    path = tempfile.mkdtemp(prefix="bench-handlers-", dir=args.workdir)
     try:
         Store.mkfs(path)
         store = Store.open(path, readonly=False, lock=True, holder="bench_handlers")
-        engine = Engine(store)
         try:
-            figures = trio.run(run_rounds, Operations(engine, read_only=False), engine,
-                               NullFS(timeout=300.0, writeback=True, discard=False),
-                               args.files, args.repeat)
+            engine = Engine(store)
+            try:
+                figures = trio.run(run_rounds, Operations(engine, read_only=False), engine,
+                                   NullFS(timeout=300.0, writeback=True, discard=False),
+                                   args.files, args.repeat)
+            finally:
+                engine.close()
         finally:
-            engine.close()
             store.close()
     finally:
         shutil.rmtree(path)
