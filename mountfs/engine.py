@@ -351,8 +351,9 @@ class Engine:
         """On the trio thread once posted steps have run: their marks are now the ones
         they reported, and their records the ones they wrote (unless a later posted step
         will write them again). Steps of transaction ``committed`` are committed already
-        (told in the same frame, mostly all of them): nothing of theirs is left to note,
-        only the records they were answered with to forget."""
+        (told in the same frame, mostly all of them): nothing of theirs is left to note.
+        Then the records a step was answered with that no mark holds any more go (a step
+        that failed wrote nothing, so noting it keeps none of them)."""
         for step in steps:
             self._posted_bytes -= step.nbytes
             for mark in step.posted:
@@ -362,10 +363,9 @@ class Engine:
                 else:
                     del self._posted[mark]
         for step in steps:
-            if committed and step.txn_no == committed:
-                self._forget_records(step)
-            else:
+            if not (committed and step.txn_no == committed):
                 self._note(step)
+            self._forget_records(step)      # after _note: only what nothing holds
             wrong = [key for key, value in step.predicted.items()
                      if step.records.get(key, value) not in (value, None)]
             if wrong and step.error is None:
@@ -386,8 +386,9 @@ class Engine:
                              if raw is not None and ino not in self._posted)
 
     def _forget_records(self, step: Step) -> None:
-        """What ``_note`` then ``_committed`` leave of a step's marks: the records of those
-        that neither another uncommitted change nor a posted step still holds."""
+        """Forget the records of ``step``'s marks (written or posted) that neither an
+        uncommitted change (dirty) nor a posted step holds: what noting and committing the
+        step would leave of them."""
         for mark in itertools.chain(step.posted, step.marks):
             if mark not in self._posted and mark not in self._dirty:
                 self._records.pop(mark, None)

@@ -485,8 +485,12 @@ class _Writer:
 
     def _ran(self, steps: list[Step]) -> None:
         """Posted steps ran: told with the commit that follows (``_committed``), or before
-        a reply, or when the writer stops; nobody waits for them meanwhile."""
+        a reply, or when the writer stops; nobody waits for them meanwhile. One that failed
+        is told at once: an answered change is lost, and the mount must stop answering
+        changes before they run now, not at a commit a long COMMIT_DELAY puts off."""
         self.ran.extend(_outcome(step) for step in steps)
+        if any(step.error is not None for step in steps):
+            self._tell_ran()
 
     def _tell_ran(self) -> None:
         if self.ran:

@@ -14,12 +14,15 @@ from __future__ import annotations
 import os
 import types
 
+import pytest
 import trio
 
 from conftest import cli
 from mountfs.engine import Engine
+from mountfs.namespace import FsError
 from mountfs.ops import Operations
 from mountfs.store import Store
+from mountfs.writer import _unreadable
 
 
 async def _write_file(ops: Operations, parent: int, name: bytes, data: bytes, ctx) -> int:
@@ -50,29 +53,30 @@ async def _workload(ops: Operations, engine: Engine, ctx) -> None:
             await ops.rmdir(1, f"d{round_no}".encode(), ctx)
 
 
-def test_commits_leave_nothing_of_the_changes_they_end(tmp_path):
-    path = tmp_path / "store"
-    cli("mountfs", "mkfs", path)
+def _memory(engine: Engine) -> dict:
+    return {"records": dict(engine._records), "dirty": dict(engine._dirty),
+            "dirty_in": dict(engine._dirty_in), "posted": dict(engine._posted),
+            "uncommitted": engine._uncommitted, "posted_bytes": engine._posted_bytes}
+
+
+EMPTY = {"records": {}, "dirty": {}, "dirty_in": {}, "posted": {}, "uncommitted": 0,
+         "posted_bytes": 0}
+
+
+def _run_engine(path, body) -> None:
+    """``await body(engine, ops, ctx)`` on a mounted-like engine of the store at ``path``."""
     store = Store.open(path, readonly=False, lock=True, holder="test")
     engine = Engine(store)
     ops = Operations(engine, read_only=False)
     ctx = types.SimpleNamespace(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(),
                                 umask=0o022)
-    left = {}
 
     async def main() -> None:
         engine.start()
         async with trio.open_nursery() as nursery:
             engine.files.nursery = nursery
             nursery.start_soon(engine.syncer)
-            await _workload(ops, engine, ctx)
-            await engine.files.flush_all()
-            await engine.sync()             # its reply comes after every commit's news
-            left.update(records=dict(engine._records), dirty=dict(engine._dirty),
-                        dirty_in=dict(engine._dirty_in), posted=dict(engine._posted),
-                        uncommitted=engine._uncommitted, posted_bytes=engine._posted_bytes)
-            entry = await ops.lookup(1, b"r3-30", ctx)
-            left["renamed size"] = entry.st_size
+            await body(engine, ops, ctx)
             nursery.cancel_scope.cancel()
 
     try:
@@ -80,7 +84,49 @@ def test_commits_leave_nothing_of_the_changes_they_end(tmp_path):
     finally:
         engine.close()
         store.close()
+
+
+def test_commits_leave_nothing_of_the_changes_they_end(tmp_path):
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    left, told_with_commit = {}, []
+
+    async def body(engine: Engine, ops: Operations, ctx) -> None:
+        ran = engine._ran
+
+        def counted(steps, committed):      # the shortcut must be what is tested
+            told_with_commit.extend(s for s in steps if committed and s.txn_no == committed)
+            ran(steps, committed)
+        engine._ran = counted
+        await _workload(ops, engine, ctx)
+        await engine.files.flush_all()
+        await engine.sync()             # its reply comes after every commit's news
+        left.update(_memory(engine))
+        left["renamed size"] = (await ops.lookup(1, b"r3-30", ctx)).st_size
+
+    _run_engine(path, body)
+    assert len(told_with_commit) > 100, "posted steps were not told with their commit"
     assert left.pop("renamed size") == 100 + 30 * 37
-    assert left == {"records": {}, "dirty": {}, "dirty_in": {}, "posted": {},
-                    "uncommitted": 0, "posted_bytes": 0}
+    assert left == EMPTY
     cli("mountfs", "fsck", path)
+
+
+def test_a_failed_posted_step_leaves_nothing_either(tmp_path):
+    """A posted step that fails wrote nothing: the records it was answered with must go
+    too (it is told at once, before any commit), and the engine then refuses changes."""
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    left = {}
+
+    async def body(engine: Engine, ops: Operations, ctx) -> None:
+        engine.post(_unreadable, "a test", marks=((1, b"never"), ("ls", 1)),
+                    records={(1, b"never"): 0})
+        with trio.fail_after(30):
+            while engine.can_post():
+                await trio.sleep(0.01)
+        with pytest.raises(FsError):
+            await engine.sync()
+        left.update(_memory(engine))
+
+    _run_engine(path, body)
+    assert left == EMPTY

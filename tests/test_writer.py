@@ -21,7 +21,7 @@ import trio
 from conftest import cli, fsck_clean
 from mountfs import schema as S
 from mountfs import writer as writer_frames
-from mountfs.committer import LIVE, Step
+from mountfs.committer import BATCH_STEPS, LIVE, Step
 from mountfs.engine import SYNC_INTERVAL
 from mountfs.filecache import _commit_chunks, chunk_digest
 from mountfs.namespace import FsError, Live, View
@@ -88,6 +88,39 @@ def test_posted_steps_go_to_the_writer_by_themselves(tmp_path):
     assert arrived == 3, "posted steps never reached the writer"
     assert [step.error for step in ran] == [None] * 3
     store.close()
+
+
+def test_a_failed_posted_step_is_told_at_once(tmp_path, monkeypatch):
+    """A posted step that fails is a change lost after its answer: from then on nothing may
+    be answered before it runs. The mount hears of it when it happens, not with the next
+    commit, which a long MOUNTFS_COMMIT_DELAY puts off (here an hour). The failing step
+    is the last of a full batch, so no refused step after it sends anything either."""
+    monkeypatch.setenv("MOUNTFS_COMMIT_DELAY", "3600")      # read by the writer process
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path)
+    ran: list[Step] = []
+    writer = WriterProcess(store, lambda n, txn_no: None,
+                           lambda steps, committed: ran.extend(steps))
+
+    async def post_and_wait() -> bool:
+        writer.start()
+        for i in range(BATCH_STEPS - 1):
+            writer.post(_create_step(b"f%d" % i, posted=()))
+        writer.post(Step(LIVE, writer_frames._unreadable, ("a test",), posted=()))
+        with trio.move_on_after(20):
+            while writer.answers_early():
+                await trio.sleep(0.01)
+        return writer.answers_early()
+
+    try:
+        still_answering = trio.run(post_and_wait)
+    finally:
+        writer.stop()
+        store.close()
+    assert not still_answering, "the mount still answers changes before they run"
+    assert len(ran) == BATCH_STEPS and ran[-1].error is not None
+    assert [step.error for step in ran[:-1]] == [None] * (BATCH_STEPS - 1)
 
 
 def test_a_writer_killed_alone_fails_changes_and_the_log_says_why(make_mount):
