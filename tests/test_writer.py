@@ -62,9 +62,10 @@ def test_the_writer_dies_with_the_mount_and_the_store_mounts_again(make_mount):
     assert (m.mnt / "kept").read_bytes() == b"fsynced"
 
 
-def test_posted_steps_go_to_the_writer_by_themselves(tmp_path):
-    """Posted steps wait in the mount a moment (POST_DELAY) to go to the writer together;
-    they must then go by themselves, not only along with a later awaited step."""
+def _with_writer(tmp_path, posting):
+    """Run ``await posting(writer, ran)`` in trio with a WriterProcess of a new store;
+    ``ran`` collects the posted steps it tells. Returns what ``posting`` returned and
+    ``ran``."""
     path = tmp_path / "store"
     cli("mountfs", "mkfs", path)
     store = Store.open(path)
@@ -72,8 +73,22 @@ def test_posted_steps_go_to_the_writer_by_themselves(tmp_path):
     writer = WriterProcess(store, lambda n, txn_no: None,
                            lambda steps, committed: ran.extend(steps))
 
-    async def post_and_wait() -> int:
+    async def main():
         writer.start()
+        return await posting(writer, ran)
+
+    try:
+        result = trio.run(main)
+    finally:
+        writer.stop()
+        store.close()
+    return result, ran
+
+
+def test_posted_steps_go_to_the_writer_by_themselves(tmp_path):
+    """Posted steps wait in the mount a moment (POST_DELAY) to go to the writer together;
+    they must then go by themselves, not only along with a later awaited step."""
+    async def post_and_wait(writer: WriterProcess, ran: list[Step]) -> int:
         for name in (b"a", b"b", b"c"):
             writer.post(_create_step(name, posted=((S.ROOT_INO, name),)))
         with trio.move_on_after(30):
@@ -81,13 +96,9 @@ def test_posted_steps_go_to_the_writer_by_themselves(tmp_path):
                 await trio.sleep(0.01)
         return len(ran)         # before stop(), which sends whatever is left
 
-    try:
-        arrived = trio.run(post_and_wait)
-    finally:
-        writer.stop()
+    arrived, ran = _with_writer(tmp_path, post_and_wait)
     assert arrived == 3, "posted steps never reached the writer"
     assert [step.error for step in ran] == [None] * 3
-    store.close()
 
 
 def test_a_failed_posted_step_is_told_at_once(tmp_path, monkeypatch):
@@ -96,15 +107,8 @@ def test_a_failed_posted_step_is_told_at_once(tmp_path, monkeypatch):
     commit, which a long MOUNTFS_COMMIT_DELAY puts off (here an hour). The failing step
     is the last of a full batch, so no refused step after it sends anything either."""
     monkeypatch.setenv("MOUNTFS_COMMIT_DELAY", "3600")      # read by the writer process
-    path = tmp_path / "store"
-    cli("mountfs", "mkfs", path)
-    store = Store.open(path)
-    ran: list[Step] = []
-    writer = WriterProcess(store, lambda n, txn_no: None,
-                           lambda steps, committed: ran.extend(steps))
 
-    async def post_and_wait() -> bool:
-        writer.start()
+    async def post_and_wait(writer: WriterProcess, ran: list[Step]) -> bool:
         for i in range(BATCH_STEPS - 1):
             writer.post(_create_step(b"f%d" % i, posted=()))
         writer.post(Step(LIVE, writer_frames._unreadable, ("a test",), posted=()))
@@ -113,11 +117,7 @@ def test_a_failed_posted_step_is_told_at_once(tmp_path, monkeypatch):
                 await trio.sleep(0.01)
         return writer.answers_early()
 
-    try:
-        still_answering = trio.run(post_and_wait)
-    finally:
-        writer.stop()
-        store.close()
+    still_answering, ran = _with_writer(tmp_path, post_and_wait)
     assert not still_answering, "the mount still answers changes before they run"
     assert len(ran) == BATCH_STEPS and ran[-1].error is not None
     assert [step.error for step in ran[:-1]] == [None] * (BATCH_STEPS - 1)
