@@ -65,8 +65,11 @@ async def create_files(ops, parent: int, prefix: str, count: int, ctx,
         info, attrs = await ops.create(parent, name, 0o644, os.O_WRONLY, ctx)
         try:
             await ops.getxattr(attrs.st_ino, CAPABILITY, ctx)
-        except pyfuse3.FUSEError:
-            pass
+        except pyfuse3.FUSEError as e:      # what the kernel hears for a new file
+            if e.errno != pyfuse3.ENOATTR:
+                raise
+        else:
+            raise RuntimeError(f"{name!r} has {CAPABILITY!r} as soon as it is created")
         await ops.write(info.fh, 0, DATA)
         await ops.flush(info.fh)
         await ops.release(info.fh)
