@@ -68,6 +68,8 @@ class Engine:
         self._inflight = 0                          # awaited changes sent, not answered
         self._posted_bytes = 0                      # chunk data of posted steps not yet run
         self._inos = range(0)                       # reserved numbers for posted creates
+        self.changes = 0                            # live changes and TXN steps sent so far
+        self._absent: tuple | None = None           # (parent, name, changes): note_absent
         with store.read() as txn:
             self.live = store.live_epoch(txn)       # a TXN step's reply moves it on
         self._committer = None if store.readonly else \
@@ -216,9 +218,17 @@ class Engine:
         raises leaves no trace (it runs in a nested transaction)."""
         return await self._submit(Step(LIVE, fn, args, nbytes))
 
+    def note_absent(self, parent: int, name: bytes, since: int) -> None:
+        """A lookup found no live ``parent``/``name`` in a tree read after the ``since``-th
+        change was sent: until the next change, ``known_entry`` answers so without reading
+        it again (a create follows the kernel's lookup of its name)."""
+        self._absent = (parent, name, since)
+
     def known_entry(self, parent: int, name: bytes) -> tuple[bool, int | None]:
         """``(True, child)`` (None: no such name) if the live entry parent/name is known
         without asking the committer, else ``(False, None)``."""
+        if self._absent == (parent, name, self.changes):
+            return True, None
         if self._uncommitted and self.dirty((parent, name)):
             child = self._records.get((parent, name))
             return (False, None) if child is None else (True, child or None)
@@ -293,6 +303,7 @@ class Engine:
             step.predicted[key] = value.pack_at(self.live) \
                 if isinstance(value, S.Inode) else value   # packed leaves nothing counted
         self._committer.post(step)     # first: a step that is not data goes no further
+        self.changes += 1
         self._uncommitted += 1
         self._posted_bytes += nbytes
         for mark in marks:
@@ -323,6 +334,8 @@ class Engine:
         token = self._token
         step.done = lambda _step: _post(token, self._replied, step, finished)
         self._committer.put(step)      # first: a step that is not data goes no further
+        if step.kind in (LIVE, TXN):
+            self.changes += 1
         if step.kind != LOOK:
             self._inflight += 1
         if step.kind == LIVE:

@@ -221,8 +221,11 @@ class Operations(pyfuse3.Operations):
         def find(v):
             child = v.lookup(real, name)
             return (None, None) if child is None else (child, v.get(child))
+        changes = self.engine.changes
         child, rec = await self.engine.look(find, epoch, marks=((real, name),))
         if child is None:
+            if epoch is None:
+                self.engine.note_absent(real, name, changes)
             return self._absent(live=epoch is None)
         if epoch is None and self.engine.dirty(child):     # read above as last committed
             rec = await self.engine.inode(child)

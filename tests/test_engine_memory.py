@@ -11,6 +11,7 @@ no kernel: the engine's dictionaries are what is checked)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import types
 
@@ -130,3 +131,53 @@ def test_a_failed_posted_step_leaves_nothing_either(tmp_path):
 
     _run_engine(path, body)
     assert left == EMPTY
+
+
+def _reads(engine: Engine) -> list:
+    """Every read the engine makes of the committed tree, appended to the list returned."""
+    reads, look_now = [], engine._look_now
+
+    def counted(fn, epoch):
+        reads.append(epoch)
+        return look_now(fn, epoch)
+    engine._look_now = counted
+    return reads
+
+
+def test_a_create_reuses_the_lookup_of_its_name(tmp_path):
+    """The kernel looks a new name up before it creates it: the create then knows the name
+    is free without reading the store again, unless a change came in between, posted (a
+    mkdir) or awaited (a hard link, a rename): then it reads, and refuses the name."""
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    seen = {}
+
+    async def body(engine: Engine, ops: Operations, ctx) -> None:
+        d = (await ops.mkdir(1, b"d", 0o755, ctx)).st_ino
+        reads = _reads(engine)
+        for name, looked_up in ((b"unasked", False), (b"asked", True)):
+            await engine.sync()
+            if looked_up:
+                assert (await ops.lookup(d, name, ctx)).st_ino == 0
+            before = len(reads)
+            await ops.create(d, name, 0o644, os.O_WRONLY, ctx)
+            seen[name] = len(reads) - before
+
+        target = await _write_file(ops, d, b"target", b"x", ctx)
+        await engine.sync()
+        for name, change in (
+                (b"made", ops.mkdir(d, b"made", 0o755, ctx)),                     # posted
+                (b"linked", ops.link(target, d, b"linked", ctx)),                 # awaited
+                (b"moved", ops.rename(d, b"target", d, b"moved", 0, ctx))):       # awaited
+            assert (await ops.lookup(d, name, ctx)).st_ino == 0
+            await change
+            await trio.sleep(0.05)      # committed: the name is no longer a dirty mark
+            with pytest.raises(Exception) as refused:
+                await ops.create(d, name, 0o644, os.O_WRONLY, ctx)
+            seen[name] = getattr(refused.value, "errno", refused.value)
+
+    _run_engine(path, body)
+    assert seen.pop(b"asked") == seen.pop(b"unasked") - 1
+    assert seen == {b"made": errno.EEXIST,
+                    b"linked": errno.EEXIST, b"moved": errno.EEXIST}
+    cli("mountfs", "fsck", path)
