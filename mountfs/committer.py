@@ -17,7 +17,9 @@ Rules (the engine keeps them):
   step (a file's data) or once it is committed (``Engine.look``), the rest from the
   committed tree at once;
 * below DEFER_MARGIN of free disk every step waits for its commit, so a full disk fails
-  the call that caused it (ENOSPC) instead of a commit after the reply. A commit that still
+  the call that caused it (ENOSPC) instead of a commit after the reply; such a commit is
+  tried once more after ``Store.release_freed_pages`` (the pages a delete just freed are
+  LMDB's to reuse only a transaction later). A commit that still
   fails after replies went out loses those changes (as a crash would): the committer then
   refuses every later step, and the mount must be remounted;
 * the bucket hashes of what the open transaction wrote are folded in once, just before it
@@ -351,7 +353,14 @@ class Committer:
         txn, steps, txn_no = self._txn, self._steps, self._txn_no
         self._txn, self._steps, self._bytes = None, [], 0
         try:
-            self.store.commit(txn, self._fold_buckets)
+            try:
+                self.store.commit(txn, self._fold_buckets)
+            except StoreFull:
+                if any(s.replied or s.posted is not None for s in steps) \
+                        or not self.store.release_freed_pages():
+                    raise
+                txn, txn_no = self._rerun(steps)      # once: a second failure stands
+                self.store.commit(txn, self._fold_buckets)
         except BaseException as e:
             error = FsError(errno.ENOSPC, str(e)) if isinstance(e, StoreFull) else e
             lost = [s for s in steps
@@ -368,6 +377,16 @@ class Committer:
                 self._reply(s)
         self._tell_ran()
         self._committed(len(steps), txn_no)
+
+    def _rerun(self, steps: list[Step]) -> tuple[lmdb.Transaction, int]:
+        """Run ``steps`` again in a new transaction (their first one could not commit: a
+        full disk, with nobody answered yet); the transaction and its number."""
+        self._begin()
+        for step in steps:
+            step.marks, step.records, step.result, step.error = set(), {}, None, None
+            self._run_nested(step)
+        txn, self._txn = self._txn, None
+        return txn, self._txn_no
 
     def _fold_buckets(self, txn) -> None:
         self._deferred_buckets.fold(txn, self._live_epoch)

@@ -214,6 +214,20 @@ class Store:
                 last_writes(txn)
             txn.commit()
 
+    def release_freed_pages(self) -> bool:
+        """Let the next transaction reuse the pages the last one freed. LMDB reuses a page
+        only from the second transaction after the one that freed it, so on a full disk
+        the change right after a deleted file's chunks were dropped found no room (ENOSPC)
+        while a moment later it would have: this commits a transaction that rewrites the
+        format record unchanged. False if even that found no room."""
+        try:
+            with self.write() as txn:
+                meta = self.db["meta"]
+                txn.put(b"format", bytes(txn.get(b"format", db=meta)), db=meta)
+        except StoreFull:
+            return False
+        return True
+
     def free_bytes(self) -> int:
         """Free space on the store's disk, plus the data file's preallocated tail (space
         LMDB writes without taking more from the disk; not counting LMDB's free pages)."""

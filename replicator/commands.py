@@ -101,7 +101,7 @@ def _take_snapshot(where) -> str:
 
 @click.command(context_settings=CONTEXT)
 @target_options
-@click.option("--to", "mirror_url", required=True, metavar="MIRROR_URL",
+@click.option("--to", "--mirror", "mirror_url", required=True, metavar="MIRROR_URL",
               help="file:///path/to/store, or http(s)://host:port (serve-mirror).")
 @click.option("--snapshot", "name", help="Send this snapshot (default: take one of the live "
               "tree now, named repl-YYYYmmddTHHMMSS.ffffffZ; removed again if the run fails).")
@@ -275,8 +275,9 @@ def _terminal_size() -> tuple[int, int]:
 
 @click.command(context_settings=CONTEXT)
 @target_options
-@click.option("--mirror", "mirror_url", required=True, metavar="MIRROR_URL",
-              help="file:///path/to/store, or http(s)://host:port.")
+@click.option("--mirror", "--to", "mirror_url", required=True, metavar="MIRROR_URL",
+              help="file:///path/to/store, or http(s)://host:port (either name: "
+                   "the one replicate takes works here too).")
 @click.option("--snapshot", "name", help="Snapshot to compare (default: the newest both hold).")
 @click.option("--full", is_flag=True, help="Recompute every bucket from the items on both "
               "sides and re-read every chunk on the mirror (slow; finds silent corruption).")

@@ -51,6 +51,8 @@ def test_an_exact_mirror_verifies_clean(replicated):
     assert out["buckets"] == 1024
     full = json.loads(run_verify(m, mirror, "--full").stdout)
     assert full["clean"] and full["bad_chunks"] == {"missing": [], "corrupt": []}
+    as_replicate_names_it = m.snapctl("verify", "--to", f"file://{mirror}", check=False)
+    assert as_replicate_names_it.returncode == 0, as_replicate_names_it.stderr
 
 
 def tamper_live(mirror: Path) -> None:
