@@ -356,6 +356,7 @@ class Committer:
             try:
                 self.store.commit(txn, self._fold_buckets)
             except StoreFull:
+                txn.abort()         # ended already, unless the bucket hashes' fold failed
                 if any(s.replied or s.posted is not None for s in steps) \
                         or not self.store.release_freed_pages():
                     raise
@@ -380,7 +381,8 @@ class Committer:
 
     def _rerun(self, steps: list[Step]) -> tuple[lmdb.Transaction, int]:
         """Run ``steps`` again in a new transaction (their first one could not commit: a
-        full disk, with nobody answered yet); the transaction and its number."""
+        full disk, with nobody answered yet); the transaction and its number. What a step
+        reported the first time goes: if it fails now, it wrote nothing."""
         self._begin()
         for step in steps:
             step.marks, step.records, step.result, step.error = set(), {}, None, None

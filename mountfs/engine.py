@@ -68,7 +68,8 @@ class Engine:
         self._inflight = 0                          # awaited changes sent, not answered
         self._posted_bytes = 0                      # chunk data of posted steps not yet run
         self._inos = range(0)                       # reserved numbers for posted creates
-        self.changes = 0                            # live changes and TXN steps sent so far
+        self.changes = 0                            # live changes and TXN steps sent, and
+                                                    # awaited ones answered, so far
         self._absent: tuple | None = None           # (parent, name, changes): note_absent
         with store.read() as txn:
             self.live = store.live_epoch(txn)       # a TXN step's reply moves it on
@@ -219,9 +220,10 @@ class Engine:
         return await self._submit(Step(LIVE, fn, args, nbytes))
 
     def note_absent(self, parent: int, name: bytes, since: int) -> None:
-        """A lookup found no live ``parent``/``name`` in a tree read after the ``since``-th
-        change was sent: until the next change, ``known_entry`` answers so without reading
-        it again (a create follows the kernel's lookup of its name)."""
+        """A lookup found no live ``parent``/``name`` in a tree read when ``changes`` was
+        ``since``: until it moves on (a change sent, or an awaited one answered: one sent
+        before the read may have reached the tree only after it), ``known_entry`` answers
+        so without reading it again (a create follows the kernel's lookup of its name)."""
         self._absent = (parent, name, since)
 
     def known_entry(self, parent: int, name: bytes) -> tuple[bool, int | None]:
@@ -347,7 +349,10 @@ class Engine:
 
     def _replied(self, step: Step, finished: trio.Event) -> None:
         """On the trio thread, before the caller sees the reply: remember what the step
-        wrote until its transaction commits."""
+        wrote until its transaction commits. A change is counted again now: a lookup made
+        while it was on its way read the tree without it (``note_absent``)."""
+        if step.kind in (LIVE, TXN):
+            self.changes += 1
         if step.kind != LOOK:
             self._inflight -= 1
         if step.kind == TXN and step.error is None:

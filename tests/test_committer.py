@@ -18,7 +18,7 @@ from mountfs import buckets, snapshots
 from mountfs import schema as S
 from mountfs.committer import BATCH_STEPS, LIVE, SYNC, TXN, Committer, Step
 from mountfs.namespace import FsError, View
-from mountfs.store import Store
+from mountfs.store import Store, StoreFull
 
 
 def _run(committer: Committer, kind: str, fn=None, *args):
@@ -154,3 +154,117 @@ def test_a_batch_of_posted_steps_is_bounded_whatever_the_commit_delay(tmp_path, 
         assert view.lookup(S.ROOT_INO, b"f%d" % (2 * BATCH_STEPS + 9))
     store.close()
     fsck_clean(path)
+
+
+def _full_once(store: Store, monkeypatch) -> list:
+    """The store's next commit folds the bucket hashes and then finds the disk full, its
+    transaction still open (as when the fold itself runs out of room); every later one
+    commits. Returns the list ``release_freed_pages`` calls are counted in."""
+    commit, release, released = store.commit, store.release_freed_pages, []
+    armed = [True]
+
+    def full_once(txn, last_writes=None):
+        if not armed[0]:
+            return commit(txn, last_writes)
+        armed[0] = False
+        last_writes(txn)
+        raise StoreFull("no space left on the store's disk (a test)")
+
+    def counted():
+        released.append(True)
+        return release()
+    monkeypatch.setattr(store, "commit", full_once)
+    monkeypatch.setattr(store, "release_freed_pages", counted)
+    return released
+
+
+def test_a_commit_that_finds_the_disk_full_runs_its_steps_once_more(tmp_path, monkeypatch):
+    """Below DEFER_MARGIN a step waits for its commit; if that commit finds no room (the
+    pages a delete just freed are LMDB's to reuse only a transaction later), the steps run
+    once more in a new transaction after Store.release_freed_pages: applied once, told
+    with the transaction that committed them, the bucket hashes right."""
+    monkeypatch.setattr("mountfs.committer.DEFER_MARGIN", 1 << 62)    # a full disk
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path)
+    with store.read() as txn:
+        epoch = store.live_epoch(txn)
+    committed: list = []
+    committer = Committer(store, epoch, lambda n, txn_no: committed.append((n, txn_no)),
+                          lambda steps: None)
+    committer.start()
+    try:
+        released = _full_once(store, monkeypatch)
+        replies: queue.SimpleQueue = queue.SimpleQueue()
+        committer.put(Step(LIVE, _create, (S.ROOT_INO, b"f", stat.S_IFREG | 0o644),
+                           done=replies.put))
+        step = replies.get(timeout=60)
+        assert step.error is None and released == [True]
+        assert committed == [(1, step.txn_no)]
+        with pytest.raises(FsError) as again:           # made once: the name is taken
+            _run(committer, LIVE, _create, S.ROOT_INO, b"f", stat.S_IFREG | 0o644)
+        assert again.value.errno == errno.EEXIST
+    finally:
+        committer.stop()
+    store.close()
+    fsck_clean(path)
+
+
+_RUNS: list = []
+
+
+def _create_then_fail(live, parent: int, name: bytes) -> None:
+    """Creates ``name`` the first time it runs, fails the second."""
+    _RUNS.append(name)
+    if len(_RUNS) > 1:
+        raise FsError(errno.ENOSPC, "full the second time")
+    live.create(parent, name, stat.S_IFREG | 0o644, 0, 0)
+
+
+def test_a_step_that_fails_its_second_run_reports_no_writes(tmp_path, monkeypatch):
+    """Run again after the disk was full, a step that fails then wrote nothing: the marks
+    and records of its first run must not reach the mount (it would answer from them)."""
+    monkeypatch.setattr("mountfs.committer.DEFER_MARGIN", 1 << 62)
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path)
+    with store.read() as txn:
+        epoch = store.live_epoch(txn)
+    committer = Committer(store, epoch, lambda n, txn_no: None, lambda steps: None)
+    committer.start()
+    _RUNS.clear()
+    try:
+        _full_once(store, monkeypatch)
+        replies: queue.SimpleQueue = queue.SimpleQueue()
+        committer.put(Step(LIVE, _create_then_fail, (S.ROOT_INO, b"f"), done=replies.put))
+        step = replies.get(timeout=60)
+        assert _RUNS == [b"f", b"f"] and step.error is not None
+        assert step.marks == set() and step.records == {}
+    finally:
+        committer.stop()
+    store.close()
+    fsck_clean(path)
+
+
+def test_no_second_try_once_a_step_is_answered(tmp_path, monkeypatch):
+    """A step answered before its commit (enough free disk, or posted) counts as done: a
+    commit that then finds the disk full loses it (the committer refuses what follows),
+    and running it again would only hide that."""
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path)
+    with store.read() as txn:
+        epoch = store.live_epoch(txn)
+    committer = Committer(store, epoch, lambda n, txn_no: None, lambda steps: None)
+    committer.start()
+    try:
+        released = _full_once(store, monkeypatch)
+        _run(committer, LIVE, _create, S.ROOT_INO, b"answered", stat.S_IFREG | 0o644)
+        _run(committer, SYNC)                           # its commit finds no room
+        assert committer.failed is not None and released == []
+        with pytest.raises(FsError) as refused:
+            _run(committer, LIVE, _create, S.ROOT_INO, b"next", stat.S_IFREG | 0o644)
+        assert refused.value.errno == errno.EIO
+    finally:
+        committer.stop()
+    store.close()

@@ -181,3 +181,33 @@ def test_a_create_reuses_the_lookup_of_its_name(tmp_path):
     assert seen == {b"made": errno.EEXIST,
                     b"linked": errno.EEXIST, b"moved": errno.EEXIST}
     cli("mountfs", "fsck", path)
+
+
+def test_a_lookup_racing_a_rollback_is_not_reused(tmp_path):
+    """A change counts from when it is sent, but a rollback reaches the committed tree only
+    when it replies: a lookup in between reads the tree before it, and the name it found
+    free there must not stay "known free" once the rollback brought it back (an unlink of
+    it would fail ENOENT, a create be answered and then lost). Found by review."""
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    seen = {}
+
+    async def body(engine: Engine, ops: Operations, ctx) -> None:
+        d = (await ops.mkdir(1, b"d", 0o755, ctx)).st_ino
+        await _write_file(ops, d, b"x", b"back", ctx)
+        await engine.create_snapshot("s")
+        await ops.unlink(d, b"x", ctx)
+        await engine.sync()
+        sent = engine.changes
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.rollback, "s", True)
+            while engine.changes == sent:
+                await trio.sleep(0)
+            seen["during"] = (await ops.lookup(d, b"x", ctx)).st_ino
+        seen["known after"] = engine.known_entry(d, b"x")
+        await ops.unlink(d, b"x", ctx)
+
+    _run_engine(path, body)
+    assert seen["during"] == 0, "the lookup did not race the rollback: nothing was tested"
+    assert seen["known after"] != (True, None)
+    cli("mountfs", "fsck", path)
