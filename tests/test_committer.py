@@ -6,6 +6,7 @@ steps wait in a batch and still run in order and commit on their own."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import queue
 import stat
@@ -23,9 +24,7 @@ from mountfs.store import Store, StoreFull
 
 def _run(committer: Committer, kind: str, fn=None, *args):
     """Submit one step and wait for its reply (the committer calls ``done`` in its thread)."""
-    replies: queue.SimpleQueue = queue.SimpleQueue()
-    committer.put(Step(kind, fn, args, done=replies.put))
-    step = replies.get(timeout=60)
+    step = _answer(committer, Step(kind, fn, args))
     if step.error is not None:
         raise step.error
     return step.result
@@ -178,36 +177,51 @@ def _full_once(store: Store, monkeypatch) -> list:
     return released
 
 
+@contextlib.contextmanager
+def _full_disk_once(tmp_path, monkeypatch, committed: list | None = None, fsck=True):
+    """A committer on a new store whose next commit finds the disk full (``_full_once``):
+    yields it and the list of ``release_freed_pages`` calls; ``committed`` collects
+    (steps, transaction) of each commit. The store must pass fsck after (``fsck``)."""
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path)
+    with store.read() as txn:
+        epoch = store.live_epoch(txn)
+    told = committed if committed is not None else []
+    committer = Committer(store, epoch, lambda n, txn_no: told.append((n, txn_no)),
+                          lambda steps: None)
+    committer.start()
+    try:
+        yield committer, _full_once(store, monkeypatch)
+    finally:
+        committer.stop()
+        store.close()
+    if fsck:
+        fsck_clean(path)
+
+
+def _answer(committer: Committer, step: Step) -> Step:
+    """Submit ``step`` and wait for its reply, error or not."""
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    step.done = replies.put
+    committer.put(step)
+    return replies.get(timeout=60)
+
+
 def test_a_commit_that_finds_the_disk_full_runs_its_steps_once_more(tmp_path, monkeypatch):
     """Below DEFER_MARGIN a step waits for its commit; if that commit finds no room (the
     pages a delete just freed are LMDB's to reuse only a transaction later), the steps run
     once more in a new transaction after Store.release_freed_pages: applied once, told
     with the transaction that committed them, the bucket hashes right."""
     monkeypatch.setattr("mountfs.committer.DEFER_MARGIN", 1 << 62)    # a full disk
-    path = tmp_path / "store"
-    cli("mountfs", "mkfs", path)
-    store = Store.open(path)
-    with store.read() as txn:
-        epoch = store.live_epoch(txn)
     committed: list = []
-    committer = Committer(store, epoch, lambda n, txn_no: committed.append((n, txn_no)),
-                          lambda steps: None)
-    committer.start()
-    try:
-        released = _full_once(store, monkeypatch)
-        replies: queue.SimpleQueue = queue.SimpleQueue()
-        committer.put(Step(LIVE, _create, (S.ROOT_INO, b"f", stat.S_IFREG | 0o644),
-                           done=replies.put))
-        step = replies.get(timeout=60)
+    with _full_disk_once(tmp_path, monkeypatch, committed) as (committer, released):
+        step = _answer(committer, Step(LIVE, _create, (S.ROOT_INO, b"f", stat.S_IFREG | 0o644)))
         assert step.error is None and released == [True]
         assert committed == [(1, step.txn_no)]
         with pytest.raises(FsError) as again:           # made once: the name is taken
             _run(committer, LIVE, _create, S.ROOT_INO, b"f", stat.S_IFREG | 0o644)
         assert again.value.errno == errno.EEXIST
-    finally:
-        committer.stop()
-    store.close()
-    fsck_clean(path)
 
 
 _RUNS: list = []
@@ -225,46 +239,21 @@ def test_a_step_that_fails_its_second_run_reports_no_writes(tmp_path, monkeypatc
     """Run again after the disk was full, a step that fails then wrote nothing: the marks
     and records of its first run must not reach the mount (it would answer from them)."""
     monkeypatch.setattr("mountfs.committer.DEFER_MARGIN", 1 << 62)
-    path = tmp_path / "store"
-    cli("mountfs", "mkfs", path)
-    store = Store.open(path)
-    with store.read() as txn:
-        epoch = store.live_epoch(txn)
-    committer = Committer(store, epoch, lambda n, txn_no: None, lambda steps: None)
-    committer.start()
     _RUNS.clear()
-    try:
-        _full_once(store, monkeypatch)
-        replies: queue.SimpleQueue = queue.SimpleQueue()
-        committer.put(Step(LIVE, _create_then_fail, (S.ROOT_INO, b"f"), done=replies.put))
-        step = replies.get(timeout=60)
+    with _full_disk_once(tmp_path, monkeypatch) as (committer, _):
+        step = _answer(committer, Step(LIVE, _create_then_fail, (S.ROOT_INO, b"f")))
         assert _RUNS == [b"f", b"f"] and step.error is not None
         assert step.marks == set() and step.records == {}
-    finally:
-        committer.stop()
-    store.close()
-    fsck_clean(path)
 
 
 def test_no_second_try_once_a_step_is_answered(tmp_path, monkeypatch):
     """A step answered before its commit (enough free disk, or posted) counts as done: a
     commit that then finds the disk full loses it (the committer refuses what follows),
     and running it again would only hide that."""
-    path = tmp_path / "store"
-    cli("mountfs", "mkfs", path)
-    store = Store.open(path)
-    with store.read() as txn:
-        epoch = store.live_epoch(txn)
-    committer = Committer(store, epoch, lambda n, txn_no: None, lambda steps: None)
-    committer.start()
-    try:
-        released = _full_once(store, monkeypatch)
+    with _full_disk_once(tmp_path, monkeypatch, fsck=False) as (committer, released):
         _run(committer, LIVE, _create, S.ROOT_INO, b"answered", stat.S_IFREG | 0o644)
         _run(committer, SYNC)                           # its commit finds no room
         assert committer.failed is not None and released == []
         with pytest.raises(FsError) as refused:
             _run(committer, LIVE, _create, S.ROOT_INO, b"next", stat.S_IFREG | 0o644)
         assert refused.value.errno == errno.EIO
-    finally:
-        committer.stop()
-    store.close()
