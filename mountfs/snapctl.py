@@ -265,7 +265,9 @@ def _print_stat(entries, before, after, as_json: bool) -> None:
     mirror may need), and how file sizes changed. ``before`` and ``after`` are Views of
     FROM and TO: the old size of a modified file, and the files inside a created or deleted
     directory (implied by its one entry, counted here). A file with several names counts
-    once, whether its names are entries or lie inside a created or deleted directory."""
+    once, whether its names are entries or lie inside a created or deleted directory; a
+    file moved into a created directory, or out of a deleted one, was neither created nor
+    deleted (its RENAME says where it went), so neither counts it."""
     ops = ("create", "delete", "rename", "modify")
     counts, written, grown = dict.fromkeys(ops, 0), dict.fromkeys(ops, 0), dict.fromkeys(ops, 0)
     counted = {"create": set(), "delete": set()}      # file inodes whose size is in the sums
@@ -274,11 +276,11 @@ def _print_stat(entries, before, after, as_json: bool) -> None:
         if e.link is not None:
             continue                                  # another name: no data of its own
         if e.op == "create":
-            size = _size_once(after, e, counted[e.op])
+            size = _size_once(after, before, e, counted[e.op])
             written[e.op] += size
             grown[e.op] += size
         elif e.op == "delete":
-            grown[e.op] -= _size_once(before, e, counted[e.op])
+            grown[e.op] -= _size_once(before, after, e, counted[e.op])
         elif e.op == "modify" and e.type == "file":
             written[e.op] += sum(c.length for c in e.chunks or ())
             grown[e.op] += (e.size or 0) - before.get(e.ino).size
@@ -292,9 +294,11 @@ def _print_stat(entries, before, after, as_json: bool) -> None:
         click.echo(f"{op:<8} {counts[op]:>10} {written[op]:>20} {grown[op]:>+17}")
 
 
-def _size_once(view, e, counted: set) -> int:
+def _size_once(view, other, e, counted: set) -> int:
     """Bytes of entry ``e``'s file, or of the regular files under it if it is a directory,
-    leaving out the inodes in ``counted`` (and adding the rest to it)."""
+    leaving out the inodes in ``counted`` (and adding the rest to it) and, under a
+    directory, the files that have a name in ``other`` too (the view at the diff's other
+    end: they moved rather than came or went)."""
     if e.type != "dir":
         if e.ino in counted:
             return 0
@@ -307,10 +311,16 @@ def _size_once(view, e, counted: set) -> int:
             rec = view.get(child)
             if stat.S_ISDIR(rec.mode):
                 todo.append(child)
-            elif stat.S_ISREG(rec.mode) and child not in counted:
+            elif stat.S_ISREG(rec.mode) and child not in counted and \
+                    not _named_in(other, child):
                 counted.add(child)
                 total += rec.size
     return total
+
+
+def _named_in(view, ino: int) -> bool:
+    rec = view.inode(ino)
+    return rec is not None and rec.nlink > 0
 
 
 @main.command()

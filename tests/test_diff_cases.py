@@ -402,6 +402,39 @@ def test_stat_counts_a_deleted_file_once_however_named(case):
     assert json.loads(stats)["delete"]["file_size_change"] == -len("twelve bytes") - len("five!")
 
 
+def test_stat_does_not_count_a_file_moved_into_a_new_directory_or_out_of_a_gone_one(case):
+    """--stat: a file moved into a created directory was not created, and one moved out of
+    a deleted directory was not deleted (their RENAMEs say so): README's own example, where
+    the size change was +8 for a 2-byte append. A moved file that also grew counts its
+    growth once, as a MODIFY."""
+    def setup(r):
+        (r / "greeting").write_text("hello\n")
+        (r / "old").mkdir()
+        (r / "old/keep").write_text("nine byte")
+        (r / "grows").write_text("abc")
+        (r / "log").write_text("1\n")
+
+    def change(r):
+        (r / "new").mkdir()
+        os.rename(r / "greeting", r / "new/greeting")
+        os.rename(r / "old/keep", r / "keep")
+        os.rmdir(r / "old")
+        os.rename(r / "grows", r / "new/grows")
+        with open(r / "new/grows", "a") as f:
+            f.write("defg")
+        with open(r / "log", "a") as f:
+            f.write("x\n")
+    entries = case.build(setup, change)
+    assert {(e["op"], case.rel(e["path"])) for e in entries if e["op"] != "rename"} == {
+        ("modify", "."), ("create", "./new"), ("delete", "./old"), ("modify", "./new/grows"),
+        ("modify", "./log")}
+    stats = json.loads(case.m.snapctl("diff", case.s1, case.s2, "--stat", "--json").stdout)
+    assert stats["create"] == {"entries": 1, "chunk_bytes_written": 0, "file_size_change": 0}
+    assert stats["delete"]["file_size_change"] == 0
+    assert stats["modify"]["file_size_change"] == len("defg") + len("x\n")
+    assert sum(stats[op]["file_size_change"] for op in stats) == len("defg") + len("x\n")
+
+
 def snapshot_writes(r, snapshot, snap):
     """Every way to change something under .snapshot (each must fail): ``snapshot`` is the
     snapshot's root, ``snap`` the case's directory in it, ``r`` the live one."""
