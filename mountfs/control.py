@@ -108,6 +108,10 @@ class ControlError(StoreError):
     """The mount refused a request or could not be reached."""
 
 
+class SnapshotInUse(ControlError):
+    """A snapshot to delete has files or directories open (its reply says ``"busy"``)."""
+
+
 def snapshot_json(snap) -> dict:
     return {"name": snap.name, "epoch": snap.epoch, "created_ns": snap.created_ns,
             "id": snap.snap_id, "uuid": snap.uuid.hex(), "written": snap.written}
@@ -165,6 +169,8 @@ class ControlServer:
                 reply = await self.dispatch(json.loads(buf))
             except (StoreError, FsError, ValueError, KeyError, TypeError) as e:
                 reply = {"ok": False, "error": _message(e)}
+                if isinstance(e, SnapshotInUse):
+                    reply["busy"] = True
             except Exception as e:        # never let a bad request take the mount down
                 log.exception("control request failed")
                 reply = {"ok": False, "error": f"internal error: {e}"}
@@ -198,6 +204,8 @@ class ControlServer:
         if op == "create":
             return {"ok": True, "snapshot": snapshot_json(await engine.create_snapshot(req["name"]))}
         if op == "delete":
+            if not req.get("force"):
+                self._refuse_if_open(engine.snapshot(req["name"]))
             snap = await engine.delete_snapshot(req["name"], bool(req.get("force")))
             self.ops.forget_snapshot(snap.name)
             return {"ok": True, "snapshot": snapshot_json(snap)}
@@ -220,6 +228,19 @@ class ControlServer:
                 os.path.normpath(req["dest"])).encode("utf-8", "surrogateescape"))])
             return {"ok": True, "inode": top, "copied": copied}
         raise ControlError(f"unknown request {op!r}")
+
+
+    def _refuse_if_open(self, snap) -> None:
+        """A snapshot a program is reading is not deleted under it (ZFS answers "dataset is
+        busy"); the daemon keeps it until a later prune."""
+        n = self.ops.open_in_snapshot(snap)
+        if n:
+            where = os.path.join(self.mountpoint, ".snapshot", snap.name)
+            what = "1 open file or directory" if n == 1 else \
+                f"{n} open files or directories"
+            raise SnapshotInUse(f"snapshot {snap.name!r} is in use: {what} under {where}; "
+                                f"close them ('fuser -vm {self.mountpoint}' lists who has "
+                                f"them), or pass --force")
 
 
 def _message(e: Exception) -> str:
@@ -323,5 +344,6 @@ def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0,
         raise ControlError(f"the mount serving {store} closed the connection without an answer")
     reply = json.loads(buf)
     if not reply.get("ok"):
-        raise ControlError(reply.get("error", "request failed"))
+        refused = SnapshotInUse if reply.get("busy") is True else ControlError
+        raise refused(str(reply.get("error", "request failed")))
     return reply

@@ -793,6 +793,14 @@ class Operations(pyfuse3.Operations):
                     pass
         await trio.to_thread.run_sync(drop_caches)
 
+    def open_in_snapshot(self, snap: S.Snapshot) -> int:
+        """How many files and directories of snapshot ``snap`` are open (a backup reading
+        .snapshot/NAME): deleting it would fail their next read with ESTALE."""
+        files = sum(1 for h in self.handles.values() if h.epoch == snap.epoch)
+        dirs = sum(1 for ino, _ in self.dirs.values()
+                   if ino > SNAPDIR_INO and (ino - VIRT_BASE) >> INO_BITS == snap.snap_id)
+        return files + dirs
+
     def forget_snapshot(self, name: str) -> None:
         pyfuse3.invalidate_entry_async(SNAPDIR_INO, name.encode("utf-8", "surrogateescape"),
                                        ignore_enoent=True)

@@ -173,10 +173,13 @@ def list_(ctx, as_json):
 @click.argument("name")
 @target_options
 @click.option("--force", is_flag=True, help="Delete it even if it is a mirror's replication "
-              "base (the next cycle to that mirror then reconciles by hash buckets).")
+              "base (the next cycle to that mirror then reconciles by hash buckets), or if "
+              "files or directories under .snapshot/NAME are open (their next read fails "
+              "with ESTALE).")
 @click.pass_context
 def delete(ctx, name, force):
-    """Delete snapshot NAME; its space is reclaimed in the background."""
+    """Delete snapshot NAME; its space is reclaimed in the background. Refused while a
+    program has a file or directory under .snapshot/NAME open (a backup reading it)."""
     try:
         delete_snapshot(target_of(ctx), name, force)
     except StoreError as e:

@@ -48,7 +48,7 @@ def test_a_deleted_snapshot_is_stale_never_another_snapshots_data(make_mount):
     fd = os.open(m.mnt / ".snapshot/s/f", os.O_RDONLY)
     try:
         old_ino = os.fstat(fd).st_ino
-        m.snapctl("delete", "s")
+        m.snapctl("delete", "s", "--force")                 # open: refused without it
         (m.mnt / "f").write_bytes(b"B" * 3_000_000)
         m.snapctl("create", "s")                            # same name, a new snapshot
         drop_caches()

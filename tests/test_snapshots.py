@@ -150,6 +150,34 @@ def test_create_list_and_delete_through_snapctl(fs, here):
     assert (fs.mnt / f".snapshot/cld-c/{here.name}/f").read_bytes() == (here / "f").read_bytes()
 
 
+def test_a_snapshot_being_read_is_not_deleted_under_its_reader(fs, here):
+    """A backup reading .snapshot/NAME keeps it: while a file or directory of it is open,
+    delete is refused with one line saying who to look for and --force (which deletes it,
+    as before: the reader's next call fails ESTALE). Other snapshots are unaffected."""
+    (here / "d").mkdir()
+    (here / "d/f").write_text("keep me")
+    fs.snapctl("create", "busy-a")
+    fs.snapctl("create", "busy-b")
+    snap = fs.mnt / ".snapshot/busy-a" / here.name
+    with open(snap / "d/f") as reader:
+        res = fs.snapctl("delete", "busy-a", check=False)
+        assert res.returncode != 0 and res.stdout == ""
+        assert res.stderr.count("\n") == 1 and "'busy-a' is in use: 1 open file or directory under" in res.stderr
+        assert "fuser -vm" in res.stderr and "--force" in res.stderr
+        assert fs.snapctl("delete", "busy-b").returncode == 0       # not the one in use
+        assert reader.read() == "keep me"
+    dfd = os.open(snap / "d", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert "is in use" in fs.snapctl("delete", "busy-a", check=False).stderr
+    finally:
+        os.close(dfd)
+    assert fs.snapctl("delete", "busy-a").returncode == 0          # closed: deleted
+    fs.snapctl("create", "busy-c")
+    with open(fs.mnt / ".snapshot/busy-c" / here.name / "d/f") as reader:
+        assert fs.snapctl("delete", "busy-c", "--force").returncode == 0
+    assert {"busy-a", "busy-b", "busy-c"}.isdisjoint(s["name"] for s in listing(fs))
+
+
 def test_dot_snapshot_is_hidden_but_enterable(fs, here):
     take(fs, "hidden-1")
     root_names = os.listdir(fs.mnt)
@@ -435,10 +463,11 @@ def test_deleting_a_snapshot_gives_its_space_back(fs, here):
 
 
 def test_deleting_a_snapshot_while_a_file_in_it_is_open(fs, here):
-    """What happens: pages the kernel already cached still read (they are the snapshot's
-    data); everything else through the deleted snapshot (reads, listings of a directory held
-    open, lookups under it) is ESTALE, never data reclaimed or belonging to another epoch.
-    The mount goes on, and the name can be reused for a new snapshot."""
+    """What happens when it is deleted anyway (--force; without it, refused: the test
+    above): pages the kernel already cached still read (they are the snapshot's data);
+    everything else through the deleted snapshot (reads, listings of a directory held open,
+    lookups under it) is ESTALE, never data reclaimed or belonging to another epoch. The
+    mount goes on, and the name can be reused for a new snapshot."""
     (here / "f").write_bytes(b"A" * 3_000_000)
     take(fs, "doomed")
     (here / "f").write_bytes(b"B" * 3_000_000)                   # the snapshot's data is its own
@@ -447,7 +476,7 @@ def test_deleting_a_snapshot_while_a_file_in_it_is_open(fs, here):
     h = open(snapdir / "f", "rb", buffering=0)
     try:
         assert h.read(10) == b"A" * 10
-        fs.snapctl("delete", "doomed")
+        fs.snapctl("delete", "doomed", "--force")
         h.seek(2_500_000)
         raises_errno(errno.ESTALE, h.read, 100)
         raises_errno(errno.ESTALE, os.listdir, dfd)
