@@ -355,7 +355,7 @@ def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_fil
         fail("restore --from writes through the mounted filesystem: mount the store and "
              "pass -m MOUNTPOINT")
     rel = where.fs_path(path) if path else "."
-    to = where.fs_path(dest) if dest else rel
+    to = where.dest_path(dest) if dest else rel
     try:
         mirror = open_checked_mirror(where, url, token_file, ca_file, create=False)
         try:
@@ -367,7 +367,8 @@ def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_fil
         fail(str(e))
     except OSError as e:
         fail(f"restore from the mirror failed: {_message(e)}")
-    click.echo(f"restored ./{rel} of {name} from {url} to ./{to}: {result.entries} entries, "
+    click.echo(f"restored ./{rel} of {name} from {url} to ./{result.dest}: "
+               f"{result.entries} entries, "
                f"{result.bytes_fetched} bytes fetched, {result.bytes_local} bytes found "
                f"locally")
     if result.left_out:
