@@ -14,6 +14,7 @@ import click
 
 from mountfs.clitools import CONTEXT, DURATION, fail, mountpoint_option, target_options
 from mountfs.mount import find_mount
+from mountfs.snapshots import DAEMON_PREFIX
 from mountfs.store import StoreError
 
 from . import config as config_mod
@@ -197,9 +198,10 @@ def _check(ctx, config_path, warning, critical) -> tuple[int, list[str]]:
 @click.option("--retention", metavar="RULES",
               help="With --store: the policy, in the config's words, e.g. 'daily = 7, "
               "keep_last = 3'.")
-@click.option("--prefix", default="auto-", show_default=True,
-              help="With --store: names of the daemon's snapshots (others are kept unless "
-              "the policy says prune_user = true).")
+@click.option("--prefix", default=DAEMON_PREFIX, show_default=True,
+              help="With --store: the daemon's snapshot_prefix; its snapshots are named "
+              "PREFIX + UTC time (YYYYmmddTHHMMSS.ffffffZ), and others are kept unless the "
+              "policy says prune_user = true.")
 @click.option("--dry-run", is_flag=True, help="Only show what would go, and why the rest stays.")
 @click.pass_context
 def prune(ctx, config_path, retention, prefix, dry_run):
@@ -261,7 +263,7 @@ def _prune_mirror_store(path: str, rules: str | None, prefix: str, dry_run: bool
         with store.read() as txn:
             held = snaps.list_all(txn, store.db)
         for d in decide(policy, [(s.name, s.created_ns) for s in held], time.time_ns(),
-                        own=lambda n: n.startswith(prefix)):
+                        own=lambda n: snaps.is_stamped(n, prefix)):
             if d.keep:
                 click.echo(f"keep  {d.name}: {', '.join(d.reasons)}")
                 continue

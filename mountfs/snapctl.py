@@ -122,8 +122,13 @@ def target_of(ctx) -> Target:
 @target_options
 @click.pass_context
 def create(ctx, name):
-    """Take snapshot NAME of the live tree (everything written before it returns)."""
+    """Take snapshot NAME of the live tree (everything written before it returns).
+
+    Names of the form of mountfsd's own (auto-YYYYmmddTHHMMSS.ffffffZ) are refused: the
+    daemon would prune them as its own."""
+    from .snapshots import refuse_daemon_name
     try:
+        refuse_daemon_name(name)
         snap = create_snapshot(target_of(ctx), name)
     except StoreError as e:
         fail(str(e))

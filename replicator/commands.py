@@ -7,7 +7,6 @@ machinery (Spark, httpx, the mirror code) is imported by the command that runs.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import logging
@@ -81,8 +80,8 @@ def open_checked_mirror(where: snapctl.Target, url: str, token_file, ca_file,
 
 def _new_snapshot_name() -> str:
     """``repl-`` and the UTC time to the microsecond."""
-    return "repl-" + datetime.datetime.now(datetime.timezone.utc).strftime(
-        "%Y%m%dT%H%M%S.%fZ")
+    from mountfs.snapshots import stamped_name
+    return stamped_name("repl-")
 
 
 def _take_snapshot(where) -> str:

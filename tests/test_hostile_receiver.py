@@ -417,10 +417,12 @@ def test_the_replicate_token_cannot_roll_back_or_prune(world):
 
 
 def test_a_mirror_is_pruned_on_its_own_host(tmp_path):
+    """Only names of the daemon's own form go: 'auto-manual' is a user's."""
+    own = [f"auto-2026010{i}T000000.000000Z" for i in (1, 2, 3)]
     Store.mkfs(tmp_path / "m", CHUNK)
     store = Store.open(tmp_path / "m")
     with store.write() as txn:
-        for name in ("auto-1", "mine", "auto-2", "auto-3"):
+        for name in (own[0], "mine", "auto-manual", own[1], own[2]):
             snaps.create(txn, store.db, name)
     store.close()
 
@@ -429,12 +431,14 @@ def test_a_mirror_is_pruned_on_its_own_host(tmp_path):
                                str(tmp_path / "m"), *args], capture_output=True, text=True,
                               timeout=60)
     res = prune("--retention", "keep_last = 0")
-    assert res.stdout.splitlines() == ["prune auto-1",
+    assert res.stdout.splitlines() == [f"prune {own[0]}",
                                        "keep  mine: made by a user (prune_user is off)",
-                                       "prune auto-2", "keep  auto-3: newest"]
+                                       "keep  auto-manual: made by a user (prune_user is off)",
+                                       f"prune {own[1]}", f"keep  {own[2]}: newest"]
     store = Store.open(tmp_path / "m", readonly=True, lock=False)
     with store.read() as txn:
-        assert [s.name for s in snaps.list_all(txn, store.db)] == ["mine", "auto-3"]
+        assert [s.name for s in snaps.list_all(txn, store.db)] == ["mine", "auto-manual",
+                                                                   own[2]]
     store.close()
     res = prune("--retention", "keep_last = -1")
     assert res.returncode == 2 and "keep_last must be a count" in res.stderr
