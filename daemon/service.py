@@ -251,9 +251,7 @@ def local_decisions(store: str, fs: config_mod.FilesystemConfig):
     try:
         with source.read() as txn:
             all_snaps = snaps.list_all(txn, source.db)
-            by_uuid = {s.uuid: s.name for s in all_snaps}
-            protected = {by_uuid[u]: f"replication base of {label}"
-                         for _, u, label in snaps.holds(txn, source.db) if u in by_uuid}
+            protected = snaps.bases(txn, source.db)
     finally:
         source.close()
     return decide(fs.retention, [(s.name, s.created_ns) for s in all_snaps], time.time_ns(),

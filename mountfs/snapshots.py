@@ -157,6 +157,14 @@ def holds(txn, dbs) -> list[tuple[bytes, bytes, str]]:
     return out
 
 
+def bases(txn, dbs) -> dict[str, str]:
+    """Snapshots that are a mirror's replication base, each with why it must stay (retention
+    keeps them rather than fail on the refusal of ``delete``)."""
+    by_uuid = {s.uuid: s.name for s in list_all(txn, dbs)}
+    return {by_uuid[u]: f"replication base of {label}" for _, u, label in holds(txn, dbs)
+            if u in by_uuid}
+
+
 def set_hold(txn, dbs, mirror_uuid: bytes, name: str, label: str) -> None:
     """Record snapshot ``name`` as the replication base of a mirror (replacing the older one)."""
     snap = get(txn, dbs, name)
@@ -432,7 +440,7 @@ def remove_tree(live: Live, parent: int, name: bytes, keep_orphans: bool
 
 
 __all__ = ["SnapshotError", "validate_name", "stamped_name", "is_stamped",
-           "refuse_daemon_name", "DAEMON_PREFIX", "create", "list_all", "get", "delete", "rollback",
+           "refuse_daemon_name", "DAEMON_PREFIX", "bases", "create", "list_all", "get", "delete", "rollback",
            "restore_path", "restore_target", "Restored", "remove_tree", "retained_epochs",
            "Rollback"]
 

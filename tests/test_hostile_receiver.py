@@ -445,6 +445,36 @@ def test_a_mirror_is_pruned_on_its_own_host(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
+def test_prune_store_keeps_a_replication_base_and_prunes_the_rest(tmp_path):
+    """--store keeps a base as --config does, in the dry run and the real one alike; no
+    line claims a prune that did not happen."""
+    Store.mkfs(tmp_path / "s", CHUNK)
+    store = Store.open(tmp_path / "s")
+    with store.write() as txn:
+        for name in ("a", "b", "c"):
+            snaps.create(txn, store.db, name)
+        snaps.set_hold(txn, store.db, b"\x01" * 16, "a", "file:///elsewhere")
+    store.close()
+
+    def prune(*args):
+        return subprocess.run([sys.executable, "-m", "cmdline.snapctl", "prune", "--store",
+                               str(tmp_path / "s"), "--retention",
+                               "keep_last = 1, prune_user = true", *args],
+                              capture_output=True, text=True, timeout=60)
+    want = ["keep  a: replication base of file:///elsewhere", "prune b",
+            "keep  c: newest, keep_last 1"]
+    res = prune("--dry-run")
+    assert (res.returncode, res.stderr) == (0, "")
+    assert res.stdout.splitlines() == [w + (" (dry run)" if w == "prune b" else "")
+                                       for w in want]
+    res = prune()
+    assert (res.returncode, res.stderr, res.stdout.splitlines()) == (0, "", want)
+    store = Store.open(tmp_path / "s", readonly=True, lock=False)
+    with store.read() as txn:
+        assert [s.name for s in snaps.list_all(txn, store.db)] == ["a", "c"]
+    store.close()
+
+
 # ---- 8: token and transport hygiene ------------------------------------------------------
 
 def test_a_token_file_others_can_read_is_refused(tmp_path):
