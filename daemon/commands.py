@@ -14,6 +14,7 @@ import click
 
 from mountfs.clitools import CONTEXT, DURATION, fail, mountpoint_option, target_options
 from mountfs.mount import find_mount
+from mountfs.snapshots import DAEMON_PREFIX
 from mountfs.store import StoreError
 
 from . import config as config_mod
@@ -197,9 +198,10 @@ def _check(ctx, config_path, warning, critical) -> tuple[int, list[str]]:
 @click.option("--retention", metavar="RULES",
               help="With --store: the policy, in the config's words, e.g. 'daily = 7, "
               "keep_last = 3'.")
-@click.option("--prefix", default="auto-", show_default=True,
-              help="With --store: names of the daemon's snapshots (others are kept unless "
-              "the policy says prune_user = true).")
+@click.option("--prefix", default=DAEMON_PREFIX, show_default=True,
+              help="With --store: the daemon's snapshot_prefix; its snapshots are named "
+              "PREFIX + UTC time (YYYYmmddTHHMMSS.ffffffZ), and others are kept unless the "
+              "policy says prune_user = true.")
 @click.option("--dry-run", is_flag=True, help="Only show what would go, and why the rest stays.")
 @click.pass_context
 def prune(ctx, config_path, retention, prefix, dry_run):
@@ -227,21 +229,30 @@ def prune(ctx, config_path, retention, prefix, dry_run):
             continue
         if store is None:
             fail(f"{name}: {mp} is not mounted", 2)
-        for d in local_decisions(store, fs):
-            if d.keep:
-                click.echo(f"keep  {d.name}: {', '.join(d.reasons)}")
-                continue
-            click.echo(f"prune {d.name}" + (" (dry run)" if dry_run else ""))
-            if not dry_run:
-                try:
-                    control.request(store, {"op": "delete", "name": d.name})
-                except StoreError as e:
-                    fail(str(e))
+        try:
+            _apply(local_decisions(store, fs), dry_run,
+                   lambda name: control.request(store, {"op": "delete", "name": name}))
+        except StoreError as e:
+            fail(str(e))
+
+
+def _apply(decisions, dry_run: bool, delete) -> None:
+    """One line per snapshot: kept and why, or pruned; a prune is said only once
+    ``delete(name)`` has done it."""
+    for d in decisions:
+        if d.keep:
+            click.echo(f"keep  {d.name}: {', '.join(d.reasons)}")
+        elif dry_run:
+            click.echo(f"prune {d.name} (dry run)")
+        else:
+            delete(d.name)
+            click.echo(f"prune {d.name}")
 
 
 def _prune_mirror_store(path: str, rules: str | None, prefix: str, dry_run: bool) -> None:
     """Retention applied on the mirror's host, to its store (never the newest snapshot,
-    the next cycle's base)."""
+    the next cycle's base; never a replication base of its own, as --config keeps them:
+    the store may be a source, or a mirror that replicates on)."""
     import tomllib
     from mountfs import snapshots as snaps
     from mountfs.store import Store
@@ -259,15 +270,10 @@ def _prune_mirror_store(path: str, rules: str | None, prefix: str, dry_run: bool
         fail(f"{e} (on a mirror, stop serve-mirror while pruning)")
     try:
         with store.read() as txn:
-            held = snaps.list_all(txn, store.db)
-        for d in decide(policy, [(s.name, s.created_ns) for s in held], time.time_ns(),
-                        own=lambda n: n.startswith(prefix)):
-            if d.keep:
-                click.echo(f"keep  {d.name}: {', '.join(d.reasons)}")
-                continue
-            click.echo(f"prune {d.name}" + (" (dry run)" if dry_run else ""))
-            if not dry_run:
-                mirror.delete_snapshot(store, d.name)
+            held, protected = snaps.list_all(txn, store.db), snaps.bases(txn, store.db)
+        _apply(decide(policy, [(s.name, s.created_ns) for s in held], time.time_ns(),
+                      own=lambda n: snaps.is_stamped(n, prefix), protected=protected),
+               dry_run, lambda name: mirror.delete_snapshot(store, name))
     except StoreError as e:
         fail(str(e))
     finally:

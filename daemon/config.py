@@ -11,7 +11,7 @@ name = "data"
 mountpoint = "/mnt/data"
 min_interval = "10s"                # never snapshot more often
 max_interval = "15m"                # snapshot at least this often while data is buffered
-snapshot_prefix = "auto-"           # names of the daemon's own snapshots
+snapshot_prefix = "auto-"           # the daemon's own snapshots: auto-YYYYmmddTHHMMSS.ffffffZ
 retention = { hourly = 24, daily = 7, weekly = 4, monthly = 6 }
 lag_warning = "5m"                  # snapctl check thresholds
 lag_critical = "1h"
@@ -38,6 +38,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mountfs.snapshots import DAEMON_PREFIX
 from mountfs.units import parse_duration, parse_size
 
 from .retention import Policy, PolicyError, parse_policy
@@ -66,7 +67,7 @@ class FilesystemConfig:
     mountpoint: str
     min_interval: float = 10.0
     max_interval: float = 900.0
-    snapshot_prefix: str = "auto-"
+    snapshot_prefix: str = DAEMON_PREFIX
     retention: Policy | None = None
     lag_warning: float = 300.0
     lag_critical: float = 3600.0
@@ -144,7 +145,7 @@ class _Checker:
             mountpoint=self.string(raw, where, "mountpoint", required=True),
             min_interval=self.duration(raw, where, "min_interval", 10.0),
             max_interval=self.duration(raw, where, "max_interval", 900.0),
-            snapshot_prefix=self.string(raw, where, "snapshot_prefix", "auto-"),
+            snapshot_prefix=self.string(raw, where, "snapshot_prefix", DAEMON_PREFIX),
             retention=self.policy(raw, where),
             lag_warning=self.duration(raw, where, "lag_warning", 300.0),
             lag_critical=self.duration(raw, where, "lag_critical", 3600.0),

@@ -15,7 +15,6 @@ snapshots keep being taken; when it comes back, one diff from its base catches i
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import os
 import random
@@ -26,6 +25,7 @@ import trio
 
 from mountfs import control
 from mountfs.mount import find_mount
+from mountfs.snapshots import is_stamped, stamped_name
 from mountfs.store import Store, StoreError
 from replicator import transfer
 from replicator.cycle import replicate
@@ -98,8 +98,7 @@ class FilesystemLoop:
         return info.store
 
     async def snapshot(self, store: str) -> None:
-        name = self.fs.snapshot_prefix + dt.datetime.now(dt.timezone.utc).strftime(
-            "%Y%m%dT%H%M%S.%fZ")
+        name = stamped_name(self.fs.snapshot_prefix)
         await _request(store, {"op": "create", "name": name})
         self.last_snapshot_at = time.monotonic()
         self.state.last_snapshot = name
@@ -196,7 +195,7 @@ class FilesystemLoop:
     # ---- local retention and reporting -----------------------------------------------------
 
     def _own(self, name: str) -> bool:
-        return name.startswith(self.fs.snapshot_prefix)
+        return is_stamped(name, self.fs.snapshot_prefix)
 
     async def prune_local(self, store: str) -> None:
         for d in await trio.to_thread.run_sync(local_decisions, store, self.fs):
@@ -252,13 +251,11 @@ def local_decisions(store: str, fs: config_mod.FilesystemConfig):
     try:
         with source.read() as txn:
             all_snaps = snaps.list_all(txn, source.db)
-            by_uuid = {s.uuid: s.name for s in all_snaps}
-            protected = {by_uuid[u]: f"replication base of {label}"
-                         for _, u, label in snaps.holds(txn, source.db) if u in by_uuid}
+            protected = snaps.bases(txn, source.db)
     finally:
         source.close()
     return decide(fs.retention, [(s.name, s.created_ns) for s in all_snaps], time.time_ns(),
-                  own=lambda n: n.startswith(fs.snapshot_prefix), protected=protected)
+                  own=lambda n: is_stamped(n, fs.snapshot_prefix), protected=protected)
 
 
 def _token(mirror: config_mod.MirrorConfig) -> str | None:

@@ -219,14 +219,11 @@ class ControlServer:
             await self.ops.invalidate(done.inodes, done.entries)
             return {"ok": True, "changed_inodes": len(done.inodes)}
         if op == "restore":
-            top, copied, orphans = await engine.restore_path(
-                req["name"], req["path"], req["dest"], bool(req.get("force")))
-            await self.ops.reap(orphans)
-            parent = os.path.dirname(os.path.normpath("/" + req["dest"]))
-            pino = await engine.look(lambda v: v.resolve(parent))
-            await self.ops.invalidate([pino], [(pino, os.path.basename(
-                os.path.normpath(req["dest"])).encode("utf-8", "surrogateescape"))])
-            return {"ok": True, "inode": top, "copied": copied}
+            done = await engine.restore_path(req["name"], req["path"], req["dest"],
+                                             bool(req.get("force")))
+            await self.ops.reap(done.orphans)
+            await self.ops.invalidate([done.parent], [(done.parent, done.name)])
+            return {"ok": True, **done.to_json()}
         raise ControlError(f"unknown request {op!r}")
 
 

@@ -482,7 +482,7 @@ class Engine:
 
     async def restore_path(self, name: str, path: str, dest: str, force: bool):
         """``snapshots.restore_path`` on the mount: the inodes it replaced stay orphans
-        (returned) for the caller to delete once the kernel does not hold them."""
+        (in the result) for the caller to delete once the kernel does not hold them."""
         snap = self.snapshot(name)
         await self.files.flush_all()
         result = await self.mutate_in_thread(snapshots.restore_path, self.chunk_size,

@@ -54,6 +54,12 @@ class Target:
                 return path[len(mp):].lstrip("/") or "."
         return path.lstrip("/") or "."
 
+    def dest_path(self, dest: str) -> str:
+        """A restore's DEST as ``fs_path`` gives it, keeping a final '/' (restore into that
+        directory), which the mountpoint itself given as DEST would otherwise lose."""
+        to = self.fs_path(dest)
+        return to + "/" if dest.endswith("/") and not to.endswith("/") else to
+
 
 def resolve_target(mountpoint: str | None, store: str | None) -> Target:
     if store:
@@ -116,8 +122,13 @@ def target_of(ctx) -> Target:
 @target_options
 @click.pass_context
 def create(ctx, name):
-    """Take snapshot NAME of the live tree (everything written before it returns)."""
+    """Take snapshot NAME of the live tree (everything written before it returns).
+
+    Names of the form of mountfsd's own (auto-YYYYmmddTHHMMSS.ffffffZ) are refused: the
+    daemon would prune them as its own."""
+    from .snapshots import refuse_daemon_name
     try:
+        refuse_daemon_name(name)
         snap = create_snapshot(target_of(ctx), name)
     except StoreError as e:
         fail(str(e))
@@ -330,9 +341,10 @@ def _named_in(view, ino: int) -> bool:
 @click.argument("name")
 @click.argument("path", required=False)
 @target_options
-@click.option("--to", "dest", help="Restore PATH under this path instead of over itself.")
-@click.option("--force", is_flag=True,
-              help="Replace an existing destination, or discard live changes on a rollback.")
+@click.option("--to", "dest", help="Restore PATH under this path instead of over itself; a "
+              "DEST ending in '/' is an existing directory to restore PATH into.")
+@click.option("--force", is_flag=True, help="Replace an existing destination of the same kind "
+              "(file by file, directory by directory), or discard live changes on a rollback.")
 @click.pass_context
 def restore(ctx, name, path, dest, force):
     """Roll the live tree back to snapshot NAME, or bring back PATH from it.
@@ -341,37 +353,57 @@ def restore(ctx, name, path, dest, force):
     snapctl restore daily                      roll the whole tree back
     snapctl restore daily docs/report.txt      bring one file (or tree) back in place
     snapctl restore daily docs --to docs.old   bring it back under another name
+    snapctl restore daily docs/a.txt --to tmp/ bring it back into tmp/ (as tmp/a.txt)
 
+    An existing destination is replaced only with --force, and never by something of
+    another kind: a directory is never replaced by a file, nor a file by a directory.
     Metadata is re-pointed; no chunk data is copied. PATH and DEST are relative to the
     filesystem root (absolute paths under the mountpoint work too)."""
-    from . import snapshots as snaps
     where = target_of(ctx)
     if dest and not path:
         fail("--to needs a PATH to restore")
     try:
         if path is None:
-            def offline(store):
-                with store.write() as txn:
-                    snap = snaps.get(txn, store.db, name)
-                    done = snaps.rollback(txn, store.db, store.chunk_size, snap, force)
-                return {"changed_inodes": len(done.inodes)}
-            reply = run(where, {"op": "rollback", "name": name, "force": force}, offline)
-            click.echo(f"rolled back to {name} ({reply['changed_inodes']} inodes changed)")
+            reply = _rollback(where, name, force)
+            click.echo(f"rolled back to {name} "
+                       f"({_count(reply['changed_inodes'], 'inode')} changed)")
             return
         src = where.fs_path(path)
-        to = where.fs_path(dest) if dest else src
-
-        def offline(store):
-            with store.write() as txn:
-                snap = snaps.get(txn, store.db, name)
-                top, copied, _ = snaps.restore_path(txn, store.db, store.chunk_size, snap,
-                                                    src, to, force)
-            return {"copied": copied}
-        reply = run(where, {"op": "restore", "name": name, "path": src, "dest": to,
-                            "force": force}, offline)
+        reply = _restore_path(where, name, src, where.dest_path(dest) if dest else src, force)
     except StoreError as e:
         fail(str(e))
-    click.echo(f"restored ./{src} from {name} to ./{to} ({reply['copied']} inodes)")
+    replaced = "" if reply["replaced"] is None else f"; replaced ./{reply['dest']}" + (
+        f" ({_count(reply['replaced_entries'], 'entry', 'entries')})"
+        if reply["replaced"] == "directory" else "")
+    click.echo(f"restored ./{src} from {name} to ./{reply['dest']} "
+               f"({_count(reply['copied'], 'inode')}){replaced}")
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def _rollback(where: Target, name: str, force: bool) -> dict:
+    from . import snapshots as snaps
+
+    def offline(store):
+        with store.write() as txn:
+            snap = snaps.get(txn, store.db, name)
+            done = snaps.rollback(txn, store.db, store.chunk_size, snap, force)
+        return {"changed_inodes": len(done.inodes)}
+    return run(where, {"op": "rollback", "name": name, "force": force}, offline)
+
+
+def _restore_path(where: Target, name: str, src: str, to: str, force: bool) -> dict:
+    from . import snapshots as snaps
+
+    def offline(store):
+        with store.write() as txn:
+            snap = snaps.get(txn, store.db, name)
+            return snaps.restore_path(txn, store.db, store.chunk_size, snap, src, to,
+                                      force).to_json()
+    return run(where, {"op": "restore", "name": name, "path": src, "dest": to,
+                       "force": force}, offline)
 
 
 def hold(target: Target, mirror_uuid: str, name: str, label: str) -> None:

@@ -7,7 +7,9 @@ These functions are used by the mount's control server and by snapctl on an unmo
 
 from __future__ import annotations
 
+import datetime as dt
 import os
+import re
 import stat
 import time
 import uuid as uuidlib
@@ -46,6 +48,32 @@ def validate_name(name: str) -> bytes:
     if len(raw) > S.NAME_MAX:
         raise SnapshotError(f"snapshot name is {len(raw)} bytes long; the limit is {S.NAME_MAX}")
     return raw
+
+
+DAEMON_PREFIX = "auto-"          # mountfsd's snapshot_prefix unless its config says otherwise
+_STAMP = "%Y%m%dT%H%M%S.%fZ"
+_STAMP_FORM = re.compile(r"[0-9]{8}T[0-9]{6}\.[0-9]{6}Z")
+
+
+def stamped_name(prefix: str) -> str:
+    """``prefix`` and the UTC time to the microsecond: how mountfsd (and replicate, with
+    ``repl-``) name the snapshots they take."""
+    return prefix + dt.datetime.now(dt.timezone.utc).strftime(_STAMP)
+
+
+def is_stamped(name: str, prefix: str) -> bool:
+    """Whether ``name`` is exactly of the form ``stamped_name(prefix)`` gives. The daemon
+    prunes only such names: a prefix alone would also match a user's 'auto-manual'."""
+    return name.startswith(prefix) and _STAMP_FORM.fullmatch(name[len(prefix):]) is not None
+
+
+def refuse_daemon_name(name: str) -> None:
+    """A user's snapshot must not look like the daemon's (default prefix): it would be
+    pruned as the daemon's own."""
+    if is_stamped(name, DAEMON_PREFIX):
+        raise SnapshotError(f"{name!r} has the form of mountfsd's own snapshot names "
+                            f"({DAEMON_PREFIX}YYYYmmddTHHMMSS.ffffffZ): the daemon would treat "
+                            f"it as its own and prune it; choose another name")
 
 
 def live_epoch(txn, dbs) -> int:
@@ -127,6 +155,14 @@ def holds(txn, dbs) -> list[tuple[bytes, bytes, str]]:
                 break
             out.append((key[len(HOLD_PREFIX):], value[:16], value[16:].decode()))
     return out
+
+
+def bases(txn, dbs) -> dict[str, str]:
+    """Snapshots that are a mirror's replication base, each with why it must stay (retention
+    keeps them rather than fail on the refusal of ``delete``)."""
+    by_uuid = {s.uuid: s.name for s in list_all(txn, dbs)}
+    return {by_uuid[u]: f"replication base of {label}" for _, u, label in holds(txn, dbs)
+            if u in by_uuid}
 
 
 def set_hold(txn, dbs, mirror_uuid: bytes, name: str, label: str) -> None:
@@ -250,23 +286,84 @@ def _restore_record(live: Live, dbname: str, base: bytes, now, then, done: Rollb
 
 # ---- restore of one path as a copy -------------------------------------------------------------
 
+@dataclass
+class Restored:
+    """What a path restore did: where the copy went (DEST, or DEST/NAME for a DEST ending in
+    '/'), so the message and the kernel's caches name the real place, and what it replaced,
+    so the user is told what was discarded."""
+    dest: str
+    parent: int
+    name: bytes
+    top: int
+    copied: int
+    replaced: str | None = None       # the kind of what was replaced ("directory", "file"...)
+    replaced_entries: int = 0         # names that were below a replaced directory
+    orphans: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"inode": self.top, "copied": self.copied, "dest": self.dest,
+                "replaced": self.replaced, "replaced_entries": self.replaced_entries}
+
+
+def kind(mode: int) -> str:
+    """What an inode is, in the words of the restore's messages."""
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISREG(mode):
+        return "file"
+    return "symbolic link" if stat.S_ISLNK(mode) else "special file"
+
+
+def restore_target(path: str, dest: str, src_kind: str, kind_of, force: bool
+                   ) -> tuple[str, str | None]:
+    """Where a restore of ``path`` (a ``src_kind``) to ``dest`` goes, and the kind of what it
+    replaces there (None: nothing). ``kind_of(p)`` is the kind of the live path p, or None.
+    A DEST ending in '/' is an existing directory to restore into, as with cp. A directory
+    never replaces a non-directory nor the reverse, even with ``force``: that would discard
+    a whole tree, or put one where a file was, by a slip of the path. The same rule serves
+    ``restore --from``."""
+    name = os.path.basename(os.path.normpath("/" + path))
+    if dest.endswith("/"):
+        if kind_of(dest) != "directory":
+            raise SnapshotError(f"{dest!r} is not an existing directory; create it first, or "
+                                f"drop the '/' to restore under that name")
+        if not name:
+            raise SnapshotError(f"the root has no name to restore into {dest!r}; use "
+                                f"--to {dest}NAME")
+        dest = dest + name
+    old = kind_of(dest)
+    if old is None:
+        return dest, None
+    if old == "directory" and src_kind != "directory":
+        raise SnapshotError(f"{dest!r} is a directory and {path!r} a {src_kind}: to restore "
+                            f"the {src_kind} into it, use --to {dest.rstrip('/')}/{name}")
+    if old != "directory" and src_kind == "directory":
+        raise SnapshotError(f"{dest!r} is a {old} and {path!r} a directory: restore it "
+                            f"elsewhere with --to, or move {dest!r} away first")
+    if not force:
+        raise SnapshotError(f"{dest!r} exists; pass --force to replace it")
+    return dest, old
+
+
 def restore_path(txn, dbs, chunk_size: int, snap: S.Snapshot, path: str, dest: str,
-                 force: bool, mounted: bool = False) -> tuple[int, int, list[int]]:
-    """Copy ``path`` as it was in ``snap`` to ``dest`` in the live tree: new inodes (hard
-    links inside the tree are kept), the same chunk data by reference. An existing ``dest``
-    is replaced only with ``force``. Returns (new top inode, inodes copied, orphans: with
-    ``mounted``, the replaced inodes left without links, which the mount deletes once the
-    kernel does not hold them; without, they are deleted here)."""
+                 force: bool, mounted: bool = False) -> Restored:
+    """Copy ``path`` as it was in ``snap`` to ``dest`` in the live tree (see
+    restore_target): new inodes (hard links inside the tree are kept), the same chunk data
+    by reference. With ``mounted``, the replaced inodes left without links are returned as
+    orphans, which the mount deletes once the kernel does not hold them; without, they are
+    deleted here."""
     view = View(txn, dbs, snap.epoch, chunk_size)
     live = Live(txn, dbs, live_epoch(txn, dbs), chunk_size)
     try:
         src = view.resolve(path)
     except FsError:
         raise SnapshotError(f"{path!r} does not exist in snapshot {snap.name!r}") from None
-    parent_path, _, name = os.path.normpath("/" + dest).rpartition("/")
-    if not name:
+    if os.path.normpath("/" + dest) == "/" and not dest.endswith("/"):
         raise SnapshotError("cannot restore over the root by path; use 'snapctl restore NAME' "
                             "to roll the whole tree back")
+    dest, replaced = restore_target(path, dest, kind(view.get(src).mode),
+                                    lambda p: _live_kind(live, p), force)
+    parent_path, _, name = os.path.normpath("/" + dest).rpartition("/")
     try:
         parent = live.resolve(parent_path)
     except FsError:
@@ -274,16 +371,23 @@ def restore_path(txn, dbs, chunk_size: int, snap: S.Snapshot, path: str, dest: s
     if not stat.S_ISDIR(live.get(parent).mode):
         raise SnapshotError(f"the parent of {dest!r} is not a directory")
     bname = name.encode("utf-8", "surrogateescape")
-    orphans: list[int] = []
-    if live.lookup(parent, bname) is not None:
-        if not force:
-            raise SnapshotError(f"{dest!r} exists; pass --force to replace it")
+    orphans, removed = [], 1
+    if replaced is not None:
         if live.is_ancestor(live.lookup(parent, bname), parent):
             raise SnapshotError(f"{dest!r} contains the restore target's parent")
-        orphans = remove_tree(live, parent, bname, mounted)
-    copied = {}
+        orphans, removed = remove_tree(live, parent, bname, mounted)
+    copied: dict = {}
     top = _copy(view, src, live, parent, bname, copied)
-    return top, len(copied), orphans
+    return Restored(dest, parent, bname, top, len(copied), replaced, removed - 1, orphans)
+
+
+def _live_kind(live: Live, path: str) -> str | None:
+    """The kind of the live path, or None if nothing is there (or its parent is missing:
+    restore_path says so)."""
+    try:
+        return kind(live.get(live.resolve(path)).mode)
+    except FsError:
+        return None
 
 
 def _copy(view: View, src: int, live: Live, parent: int, name: bytes, copied: dict) -> int:
@@ -313,15 +417,18 @@ def _copy(view: View, src: int, live: Live, parent: int, name: bytes, copied: di
     return ino
 
 
-def remove_tree(live: Live, parent: int, name: bytes, keep_orphans: bool) -> list[int]:
+def remove_tree(live: Live, parent: int, name: bytes, keep_orphans: bool
+                ) -> tuple[list[int], int]:
     """Unlink parent/name and everything below it. Inodes left without links are destroyed,
     or, with ``keep_orphans``, marked orphans and returned (a mount deletes them once the
-    kernel does not hold them)."""
-    orphans = []
+    kernel does not hold them), with the number of names removed (parent/name included)."""
+    orphans, removed = [], 1
     child = live.lookup(parent, name)
     if stat.S_ISDIR(live.get(child).mode):
         for sub, _ in list(live.listdir(child)):
-            orphans += remove_tree(live, child, sub, keep_orphans)
+            below, count = remove_tree(live, child, sub, keep_orphans)
+            orphans += below
+            removed += count
     ino, rec = live.remove_entry(parent, name)
     if rec.nlink == 0:
         if keep_orphans:
@@ -329,11 +436,13 @@ def remove_tree(live: Live, parent: int, name: bytes, keep_orphans: bool) -> lis
             orphans.append(ino)
         else:
             live.destroy(ino)
-    return orphans
+    return orphans, removed
 
 
-__all__ = ["SnapshotError", "validate_name", "create", "list_all", "get", "delete", "rollback",
-           "restore_path", "remove_tree", "retained_epochs", "Rollback"]
+__all__ = ["SnapshotError", "validate_name", "stamped_name", "is_stamped",
+           "refuse_daemon_name", "DAEMON_PREFIX", "bases", "create", "list_all", "get", "delete", "rollback",
+           "restore_path", "restore_target", "Restored", "remove_tree", "retained_epochs",
+           "Rollback"]
 
 
 # ---- changes of the live tree too big for one transaction --------------------------------------

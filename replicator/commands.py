@@ -7,7 +7,6 @@ machinery (Spark, httpx, the mirror code) is imported by the command that runs.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import logging
@@ -81,8 +80,8 @@ def open_checked_mirror(where: snapctl.Target, url: str, token_file, ca_file,
 
 def _new_snapshot_name() -> str:
     """``repl-`` and the UTC time to the microsecond."""
-    return "repl-" + datetime.datetime.now(datetime.timezone.utc).strftime(
-        "%Y%m%dT%H%M%S.%fZ")
+    from mountfs.snapshots import stamped_name
+    return stamped_name("repl-")
 
 
 def _take_snapshot(where) -> str:
@@ -355,7 +354,7 @@ def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_fil
         fail("restore --from writes through the mounted filesystem: mount the store and "
              "pass -m MOUNTPOINT")
     rel = where.fs_path(path) if path else "."
-    to = where.fs_path(dest) if dest else rel
+    to = where.dest_path(dest) if dest else rel
     try:
         mirror = open_checked_mirror(where, url, token_file, ca_file, create=False)
         try:
@@ -367,7 +366,8 @@ def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_fil
         fail(str(e))
     except OSError as e:
         fail(f"restore from the mirror failed: {_message(e)}")
-    click.echo(f"restored ./{rel} of {name} from {url} to ./{to}: {result.entries} entries, "
+    click.echo(f"restored ./{rel} of {name} from {url} to ./{result.dest}: "
+               f"{result.entries} entries, "
                f"{result.bytes_fetched} bytes fetched, {result.bytes_local} bytes found "
                f"locally")
     if result.left_out:

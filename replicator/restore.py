@@ -25,6 +25,7 @@ from pathlib import Path
 import blake3
 
 from mountfs import schema as S
+from mountfs import snapshots as snaps
 from mountfs.store import Store, StoreError
 
 from .mirror import MirrorError
@@ -45,6 +46,7 @@ class RestoreResult:
     bytes_fetched: int = 0
     bytes_local: int = 0
     left_out: list[str] = field(default_factory=list)   # special files a non-root user skipped
+    dest: str = ""                  # where the tree went: DEST, or DEST/NAME for DEST/
 
 
 @dataclass
@@ -73,16 +75,18 @@ def restore_from(mirror, source_store: str, mountpoint: str, snapshot: str, path
                  dest: str, force: bool, allow_special: bool = False) -> RestoreResult:
     """Rebuild ``path`` of mirror snapshot ``snapshot`` at ``dest`` (relative to the mount).
     ``allow_special`` lets set-id files, file capabilities and device nodes through."""
-    target = Path(mountpoint) / dest.lstrip("/")
-    if os.path.realpath(target) == os.path.realpath(mountpoint):
+    if os.path.realpath(Path(mountpoint) / dest.lstrip("/")) == \
+            os.path.realpath(mountpoint) and not dest.endswith("/"):
         raise StoreError("restoring from a mirror over the whole tree is not supported; "
                          "restore into a directory with --to DEST")
     chunk_size = _int(mirror.info().get("chunk_size"), 1, 1 << 30, "the mirror's chunk size")
     result = RestoreResult()
     entries = _checked(mirror.export(snapshot, path), chunk_size, allow_special, result)
-    if os.path.lexists(target):
-        if not force:
-            raise StoreError(f"{dest!r} exists; pass --force to replace it")
+    result.dest, replaced = snaps.restore_target(
+        path, dest, snaps.kind(entries[0].mode) if entries else "special file",
+        lambda p: _path_kind(Path(mountpoint) / p.lstrip("/")), force)
+    target = Path(mountpoint) / result.dest.lstrip("/")
+    if replaced is not None:
         _remove(target)
     if not target.parent.is_dir():
         raise StoreError(f"the parent directory of {dest!r} does not exist")
@@ -99,6 +103,14 @@ def restore_from(mirror, source_store: str, mountpoint: str, snapshot: str, path
         dirs.close()
         local.close()
     return result
+
+
+def _path_kind(p: Path) -> str | None:
+    """The kind of what is at ``p`` (not following a final symlink), or None."""
+    try:
+        return snaps.kind(os.lstat(p).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def _remove(p: Path) -> None:

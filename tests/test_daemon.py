@@ -16,6 +16,7 @@ import pytest
 
 from conftest import cli, free_port
 from test_replicate import tree_state
+from test_snapshots import take
 
 
 def wait_for(what: str, predicate, timeout: float = 120.0, every: float = 0.3):
@@ -262,16 +263,50 @@ token_file = "{tmp_path}/token"
 
 
 def test_prune_dry_run_says_why(mounted, tmp_path):
-    for name in ("mine", "auto-1", "auto-2", "auto-3"):
-        mounted.snapctl("create", name)
+    """Only names of the daemon's own form are its: 'auto-manual' is a user's."""
+    own = [f"auto-2026010{i}T000000.000000Z" for i in (1, 2, 3)]
+    mounted.snapctl("create", "mine")
+    mounted.snapctl("create", "auto-manual")
+    for name in own:                                   # as the daemon takes them
+        take(mounted, name)
     config = tmp_path / "p.toml"
     config.write_text(f'[[filesystem]]\nname = "p"\nmountpoint = "{mounted.mnt}"\n'
                       f'snapshot_prefix = "auto-"\nretention = {{ keep_last = 2 }}\n')
     out = mounted.snapctl("prune", "--config", config, "--dry-run").stdout.splitlines()
     assert out == ["keep  mine: made by a user (prune_user is off)",
-                   "prune auto-1 (dry run)",
-                   "keep  auto-2: keep_last 2",
-                   "keep  auto-3: newest, keep_last 2"]
+                   "keep  auto-manual: made by a user (prune_user is off)",
+                   f"prune {own[0]} (dry run)",
+                   f"keep  {own[1]}: keep_last 2",
+                   f"keep  {own[2]}: newest, keep_last 2"]
     mounted.snapctl("prune", "--config", config)
-    left = [json.loads(x)["name"] for x in mounted.snapctl("list", "--json").stdout.splitlines()]
-    assert left == ["mine", "auto-2", "auto-3"]
+    assert snapshot_names(mounted) == ["mine", "auto-manual", *own[1:]]
+
+
+def test_the_daemon_prunes_only_snapshots_it_made(mounted, daemon, tmp_path):
+    """The daemon's prefix alone does not make a snapshot the daemon's: a user's
+    'auto-manual' survives its pruning."""
+    m = mounted
+    m.snapctl("create", "auto-manual")
+    config = tmp_path / "own.toml"
+    config.write_text(f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n\n[[filesystem]]\n'
+                      f'name = "own"\nmountpoint = "{m.mnt}"\nmin_interval = "1s"\n'
+                      f'retention = {{ keep_last = 1 }}\n')
+    d = daemon(config)
+    for i in range(2):                                 # two snapshots of its own, one pruned
+        (m.mnt / f"f{i}").write_text(str(i))
+        wait_for("the daemon's snapshot", lambda: d.text().count("own: snapshot auto-") > i)
+    wait_for("the daemon to prune its first", lambda: "own: pruned auto-2" in d.text())
+    assert "auto-manual" in snapshot_names(m) and "pruned auto-manual" not in d.text()
+
+
+def test_a_name_of_the_daemons_form_is_refused(mounted):
+    res = mounted.snapctl("create", "auto-20260101T000000.000000Z", check=False)
+    assert (res.returncode, res.stdout) == (1, "")
+    assert res.stderr == "snapctl: 'auto-20260101T000000.000000Z' has the form of mountfsd's " \
+        "own snapshot names (auto-YYYYmmddTHHMMSS.ffffffZ): the daemon would treat it as its " \
+        "own and prune it; choose another name\n"
+    assert snapshot_names(mounted) == []
+
+
+def snapshot_names(m) -> list[str]:
+    return [json.loads(x)["name"] for x in m.snapctl("list", "--json").stdout.splitlines()]

@@ -221,3 +221,25 @@ def test_out_of_range_values_are_refused_in_one_line(fs, bad):
     serve(fs, d("."), {**f("./x", b"data")[0], **bad})
     refused(restore(fs, "range"), "refused the mirror's listing")
     assert not (fs[0].mnt / "range").exists()
+
+
+def test_a_file_goes_into_a_directory_never_over_it(fs):
+    """The rule of a local restore holds for --from too: DEST/ is a directory to restore
+    into; a file never replaces a directory, even with --force."""
+    m, server, base = fs
+    (m.mnt / "whole").mkdir()
+    for i in range(9):
+        (m.mnt / f"whole/e{i}").write_text(str(i))
+    serve(fs, f(".", b"1\n"))
+
+    def restore_log(dest, *extra):
+        return cli("snapctl", "-m", m.mnt, "restore", "--from", server.url, "--token-file",
+                   base / "token", "s", "log", "--to", dest, *extra, check=False)
+    refused(restore_log("whole", "--force"), "'whole' is a directory and 'log' a file: to "
+            "restore the file into it, use --to whole/log")
+    assert sorted(os.listdir(m.mnt / "whole")) == [f"e{i}" for i in range(9)]
+    res = restore_log("whole/")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"restored ./log of s from {server.url} to ./whole/log: ")
+    assert sorted(os.listdir(m.mnt / "whole")) == [f"e{i}" for i in range(9)] + ["log"]
+    assert (m.mnt / "whole/log").read_bytes() == b"1\n"

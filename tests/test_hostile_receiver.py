@@ -417,10 +417,12 @@ def test_the_replicate_token_cannot_roll_back_or_prune(world):
 
 
 def test_a_mirror_is_pruned_on_its_own_host(tmp_path):
+    """Only names of the daemon's own form go: 'auto-manual' is a user's."""
+    own = [f"auto-2026010{i}T000000.000000Z" for i in (1, 2, 3)]
     Store.mkfs(tmp_path / "m", CHUNK)
     store = Store.open(tmp_path / "m")
     with store.write() as txn:
-        for name in ("auto-1", "mine", "auto-2", "auto-3"):
+        for name in (own[0], "mine", "auto-manual", own[1], own[2]):
             snaps.create(txn, store.db, name)
     store.close()
 
@@ -429,16 +431,48 @@ def test_a_mirror_is_pruned_on_its_own_host(tmp_path):
                                str(tmp_path / "m"), *args], capture_output=True, text=True,
                               timeout=60)
     res = prune("--retention", "keep_last = 0")
-    assert res.stdout.splitlines() == ["prune auto-1",
+    assert res.stdout.splitlines() == [f"prune {own[0]}",
                                        "keep  mine: made by a user (prune_user is off)",
-                                       "prune auto-2", "keep  auto-3: newest"]
+                                       "keep  auto-manual: made by a user (prune_user is off)",
+                                       f"prune {own[1]}", f"keep  {own[2]}: newest"]
     store = Store.open(tmp_path / "m", readonly=True, lock=False)
     with store.read() as txn:
-        assert [s.name for s in snaps.list_all(txn, store.db)] == ["mine", "auto-3"]
+        assert [s.name for s in snaps.list_all(txn, store.db)] == ["mine", "auto-manual",
+                                                                   own[2]]
     store.close()
     res = prune("--retention", "keep_last = -1")
     assert res.returncode == 2 and "keep_last must be a count" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_prune_store_keeps_a_replication_base_and_prunes_the_rest(tmp_path):
+    """--store keeps a base as --config does, in the dry run and the real one alike; no
+    line claims a prune that did not happen."""
+    Store.mkfs(tmp_path / "s", CHUNK)
+    store = Store.open(tmp_path / "s")
+    with store.write() as txn:
+        for name in ("a", "b", "c"):
+            snaps.create(txn, store.db, name)
+        snaps.set_hold(txn, store.db, b"\x01" * 16, "a", "file:///elsewhere")
+    store.close()
+
+    def prune(*args):
+        return subprocess.run([sys.executable, "-m", "cmdline.snapctl", "prune", "--store",
+                               str(tmp_path / "s"), "--retention",
+                               "keep_last = 1, prune_user = true", *args],
+                              capture_output=True, text=True, timeout=60)
+    want = ["keep  a: replication base of file:///elsewhere", "prune b",
+            "keep  c: newest, keep_last 1"]
+    res = prune("--dry-run")
+    assert (res.returncode, res.stderr) == (0, "")
+    assert res.stdout.splitlines() == [w + (" (dry run)" if w == "prune b" else "")
+                                       for w in want]
+    res = prune()
+    assert (res.returncode, res.stderr, res.stdout.splitlines()) == (0, "", want)
+    store = Store.open(tmp_path / "s", readonly=True, lock=False)
+    with store.read() as txn:
+        assert [s.name for s in snaps.list_all(txn, store.db)] == ["a", "c"]
+    store.close()
 
 
 # ---- 8: token and transport hygiene ------------------------------------------------------

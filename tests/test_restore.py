@@ -118,7 +118,8 @@ def test_restore_a_file_needs_force_over_an_existing_one(fs, here):
     assert tree_state(here) == live_state                       # nothing changed
     with open(f, "rb") as old:                                   # held across the restore
         res = restore(fs, "file", path, "--force")
-        assert res.stdout == f"restored ./{path} from file to ./{path} (1 inodes)\n"
+        assert res.stdout == f"restored ./{path} from file to ./{path} (1 inode); " \
+                             f"replaced ./{path}\n"
         assert tree_state(here)["f"] == snap_state               # data, mode, xattrs, mtime
         assert old.read() == b"bad!"                             # the replaced inode, still open
     f.unlink()
@@ -136,7 +137,7 @@ def test_restore_a_tree_in_place(fs, here):
     mess_up(t)
     assert not (t / "a/b").exists()         # a negative entry the kernel keeps: the restore
     res = restore(fs, "tree", rel(fs, t), "--force")            # must drop it
-    assert res.stdout.endswith(f"({inodes} inodes)\n")
+    assert res.stdout.endswith(f"({inodes} inodes); replaced ./{rel(fs, t)} (9 entries)\n")
     assert tree_state(t) == frozen                               # names, data, links, times...
     assert os.stat(t / "a/file").st_nlink == 3
     assert os.stat(t / "a/file").st_ino == os.stat(t / "file-link2").st_ino
@@ -194,6 +195,58 @@ def test_restore_errors(fs, here):
             "whole tree back")
     refused(restore(fs, "err", "--to", "x", check=False), "--to needs a PATH to restore")
     assert os.listdir(here) == ["f"]
+
+
+def test_a_file_goes_into_a_directory_never_over_it(fs, here):
+    """The user's slip: 'restore SNAP log --to wholetree/ --force' replaced the directory by
+    the file. A DEST ending in '/' is a directory to restore into (as cp); a file never
+    replaces a directory, nor a directory a file, even with --force."""
+    tree = here / "wholetree"
+    tree.mkdir()
+    for i in range(9):
+        (tree / f"e{i}").write_text(str(i))
+    (here / "log").write_text("1\n")
+    take(fs, "into")
+    log, whole = rel(fs, here / "log"), rel(fs, tree)
+    before = tree_state(here)
+    for dest in (whole, whole + "/."):
+        refused(restore(fs, "into", log, "--to", dest, "--force", check=False),
+                f"{dest!r} is a directory and {log!r} a file: to restore the file into it, "
+                f"use --to {dest}/log")
+    refused(restore(fs, "into", whole, "--to", log, "--force", check=False),
+            f"{log!r} is a file and {whole!r} a directory: restore it elsewhere with --to, "
+            f"or move {log!r} away first")
+    refused(restore(fs, "into", log, "--to", rel(fs, here / "none") + "/", check=False),
+            f"{rel(fs, here / 'none') + '/'!r} is not an existing directory; create it "
+            f"first, or drop the '/' to restore under that name")
+    assert tree_state(here) == before                            # nothing changed
+    res = restore(fs, "into", log, "--to", whole + "/")
+    assert res.stdout == f"restored ./{log} from into to ./{whole}/log (1 inode)\n"
+    assert sorted(os.listdir(tree)) == [f"e{i}" for i in range(9)] + ["log"]
+    assert (tree / "log").read_text() == "1\n"
+    refused(restore(fs, "into", log, "--to", whole + "/", check=False),
+            f"'{whole}/log' exists; pass --force to replace it")
+    res = restore(fs, "into", log, "--to", str(tree) + "/", "--force")   # absolute, too
+    assert res.stdout == f"restored ./{log} from into to ./{whole}/log (1 inode); " \
+                         f"replaced ./{whole}/log\n"
+
+
+def test_in_place_the_kinds_must_match_too(fs, here):
+    (here / "f").write_text("file")
+    (here / "d").mkdir()
+    take(fs, "kinds")
+    (here / "f").unlink()
+    (here / "f").mkdir()
+    shutil.rmtree(here / "d")
+    (here / "d").write_text("now a file")
+    f, d = rel(fs, here / "f"), rel(fs, here / "d")
+    refused(restore(fs, "kinds", f, "--force", check=False),
+            f"{f!r} is a directory and {f!r} a file: to restore the file into it, use "
+            f"--to {f}/f")
+    refused(restore(fs, "kinds", d, "--force", check=False),
+            f"{d!r} is a file and {d!r} a directory: restore it elsewhere with --to, or "
+            f"move {d!r} away first")
+    assert (here / "f").is_dir() and (here / "d").read_text() == "now a file"
 
 
 def test_restore_copies_no_chunk_data(fs, here):
@@ -298,7 +351,7 @@ def test_restore_offline(make_mount):
         return cli("snapctl", "--store", m.store, *args, check=check)
     refused(offline("restore", "s1", "f", check=False), "'f' exists; pass --force to replace it")
     assert offline("restore", "s1", "f", "--force").stdout == \
-        "restored ./f from s1 to ./f (1 inodes)\n"
+        "restored ./f from s1 to ./f (1 inode); replaced ./f\n"
     offline("restore", "s1", "d", "--to", "d2")
     offline("create", "s2")
     refused(offline("restore", "s1", check=False), "the live tree has changed since snapshot "
