@@ -238,14 +238,20 @@ def prune(ctx, config_path, retention, prefix, dry_run):
 
 def _apply(decisions, dry_run: bool, delete) -> None:
     """One line per snapshot: kept and why, or pruned; a prune is said only once
-    ``delete(name)`` has done it."""
+    ``delete(name)`` has done it; one a program is reading (refused as in use) is kept."""
+    from mountfs.control import SnapshotInUse
     for d in decisions:
         if d.keep:
             click.echo(f"keep  {d.name}: {', '.join(d.reasons)}")
         elif dry_run:
             click.echo(f"prune {d.name} (dry run)")
         else:
-            delete(d.name)
+            try:
+                delete(d.name)
+            except SnapshotInUse:
+                click.echo(f"keep  {d.name}: in use (files or directories under "
+                           f".snapshot/{d.name} are open)")
+                continue
             click.echo(f"prune {d.name}")
 
 

@@ -198,9 +198,16 @@ class FilesystemLoop:
         return is_stamped(name, self.fs.snapshot_prefix)
 
     async def prune_local(self, store: str) -> None:
+        """Delete what retention does not keep; a snapshot a program is reading (files open
+        under .snapshot/NAME) is kept until a later prune finds it closed."""
         for d in await trio.to_thread.run_sync(local_decisions, store, self.fs):
             if not d.keep:
-                await _request(store, {"op": "delete", "name": d.name})
+                try:
+                    await _request(store, {"op": "delete", "name": d.name})
+                except control.SnapshotInUse:
+                    log.info("%s: kept %s for now: files or directories under "
+                             ".snapshot/%s are open", self.fs.name, d.name, d.name)
+                    continue
                 log.info("%s: pruned %s", self.fs.name, d.name)
 
     def publish(self) -> None:

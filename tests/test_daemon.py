@@ -299,6 +299,29 @@ def test_the_daemon_prunes_only_snapshots_it_made(mounted, daemon, tmp_path):
     assert "auto-manual" in snapshot_names(m) and "pruned auto-manual" not in d.text()
 
 
+def test_a_snapshot_being_read_is_kept_until_it_is_closed(mounted, daemon, tmp_path):
+    """Retention never deletes a snapshot under a program reading it (a backup copying
+    .snapshot/NAME): `snapctl prune` keeps it and says why, the daemon keeps it and prunes
+    it at a later pass, once the file is closed."""
+    own = [f"auto-2026010{i}T000000.000000Z" for i in (1, 2)]
+    (mounted.mnt / "f").write_text("being backed up")
+    for name in own:
+        take(mounted, name)
+    config = tmp_path / "busy.toml"
+    config.write_text(f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n\n[[filesystem]]\n'
+                      f'name = "busy"\nmountpoint = "{mounted.mnt}"\nmin_interval = "1s"\n'
+                      f'retention = {{ keep_last = 1 }}\n')
+    with open(mounted.mnt / ".snapshot" / own[0] / "f") as reader:
+        out = mounted.snapctl("prune", "--config", config).stdout.splitlines()
+        assert out[0] == f"keep  {own[0]}: in use (files or directories under " \
+                         f".snapshot/{own[0]} are open)"
+        d = daemon(config)
+        wait_for("the daemon to keep it", lambda: f"busy: kept {own[0]} for now" in d.text())
+        assert own[0] in snapshot_names(mounted) and reader.read() == "being backed up"
+    (mounted.mnt / "g").write_text("a change: the daemon snapshots and prunes again")
+    wait_for("the daemon to prune it", lambda: f"busy: pruned {own[0]}" in d.text())
+
+
 def test_a_name_of_the_daemons_form_is_refused(mounted):
     res = mounted.snapctl("create", "auto-20260101T000000.000000Z", check=False)
     assert (res.returncode, res.stdout) == (1, "")
