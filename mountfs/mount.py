@@ -350,6 +350,9 @@ def umount(mountpoint: str, timeout: float = 120.0) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         err = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"
+        if "busy" in err:
+            err += (f"; a process has a file open or its working directory in it: "
+                    f"'fuser -vm {mountpoint}' lists them; close them and retry")
         raise StoreError(f"cannot unmount {mountpoint}: {err}")
     if server is None:
         return

@@ -85,6 +85,25 @@ def test_umount_returns_once_the_store_is_released(make_mount):
         m.mount()
 
 
+
+def test_umount_of_a_busy_mount_says_who_to_look_for(make_mount):
+    """A shell cd'ed into the mount keeps it busy: umount says so and how to find it, in
+    one line, and the mount goes on serving; once the shell leaves, umount succeeds."""
+    m = make_mount()
+    (m.mnt / "f").write_text("still here")
+    shell = subprocess.Popen(["sleep", "60"], cwd=m.mnt)
+    try:
+        res = cli("mountfs", "umount", m.mnt, check=False)
+        assert res.returncode != 0 and res.stdout == "" and res.stderr.count("\n") == 1
+        assert "busy" in res.stderr and f"'fuser -vm {m.mnt}' lists them" in res.stderr
+        assert (m.mnt / "f").read_text() == "still here"
+    finally:
+        shell.kill()
+        shell.wait()
+    m.umount()
+    assert not os.path.ismount(m.mnt)
+
+
 PROBER = r'''
 import sys, time
 from mountfs.store import lock_holder
