@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import posixpath
 import sys
 
 import click
@@ -47,12 +48,21 @@ class Target:
 
     def fs_path(self, path: str) -> str:
         """A path relative to the filesystem root; absolute paths under the mountpoint are
-        accepted too."""
+        accepted too (with --store, an absolute path starts at the root). One that leads
+        elsewhere is refused: taken as relative, '/tmp/x' or '../x' would have quietly named
+        a place in the filesystem the user did not mean."""
+        rel = path
         if self.mountpoint and os.path.isabs(path):
             mp = self.mountpoint.rstrip("/")
-            if path == mp or path.startswith(mp + "/"):
-                return path[len(mp):].lstrip("/") or "."
-        return path.lstrip("/") or "."
+            if path != mp and not path.startswith(mp + "/"):
+                raise StoreError(f"{path!r} is outside the filesystem mounted at {mp}: give "
+                                 f"a path under it, or one relative to its root")
+            rel = path[len(mp):]
+        rel = rel.lstrip("/") or "."
+        if posixpath.normpath(rel).split("/")[0] == "..":
+            raise StoreError(f"{path!r} leads outside the filesystem's root; paths are "
+                             f"relative to the root")
+        return rel
 
     def dest_path(self, dest: str) -> str:
         """A restore's DEST as ``fs_path`` gives it, keeping a final '/' (restore into that

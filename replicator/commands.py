@@ -353,9 +353,9 @@ def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_fil
     if not where.mountpoint:
         fail("restore --from writes through the mounted filesystem: mount the store and "
              "pass -m MOUNTPOINT")
-    rel = where.fs_path(path) if path else "."
-    to = where.dest_path(dest) if dest else rel
     try:
+        rel = where.fs_path(path) if path else "."
+        to = where.dest_path(dest) if dest else rel
         mirror = open_checked_mirror(where, url, token_file, ca_file, create=False)
         try:
             result = restore_from(mirror, where.store, where.mountpoint, name, rel, to,

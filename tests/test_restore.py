@@ -197,6 +197,29 @@ def test_restore_errors(fs, here):
     assert os.listdir(here) == ["f"]
 
 
+def test_a_path_outside_the_filesystem_is_refused_not_taken_as_relative(fs, here, tmp_path):
+    """'--to /tmp/x' and '/etc/passwd' had been taken as paths from the root (the parent
+    'tmp/x' does not exist), '--to ../x' as './../x' clamped to the root: each names a place
+    the user did not mean. Refused in one line; an absolute path under the mountpoint works."""
+    (here / "f").write_text("x")
+    take(fs, "out")
+    p = rel(fs, here / "f")
+    outside = str(tmp_path / "outside")
+    refused(restore(fs, "out", p, "--to", outside, check=False),
+            f"{outside!r} is outside the filesystem mounted at {fs.mnt}: give a path under "
+            f"it, or one relative to its root")
+    refused(restore(fs, "out", "/etc/passwd", check=False),
+            f"'/etc/passwd' is outside the filesystem mounted at {fs.mnt}: give a path under "
+            f"it, or one relative to its root")
+    for escape in ("../escape", f"{p}/../../../escape"):
+        refused(restore(fs, "out", p, "--to", escape, check=False),
+                f"{escape!r} leads outside the filesystem's root; paths are relative to the root")
+    assert not os.path.exists(outside) and os.listdir(here) == ["f"]
+    res = restore(fs, "out", str(here / "f"), "--to", str(here / "g"))
+    assert res.stdout == f"restored ./{p} from out to ./{rel(fs, here / 'g')} (1 inode)\n"
+    assert (here / "g").read_text() == "x"
+
+
 def test_a_file_goes_into_a_directory_never_over_it(fs, here):
     """The user's slip: 'restore SNAP log --to wholetree/ --force' replaced the directory by
     the file. A DEST ending in '/' is a directory to restore into (as cp); a file never
