@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import sys
-from urllib.parse import urlparse
 
 import click
 
@@ -48,18 +47,19 @@ def _inside(path: str, top: str) -> bool:
 def refuse_mirror_inside_source(where: snapctl.Target, url: str) -> None:
     """A ``file://`` mirror inside the source's mount or store would replicate the
     filesystem into itself (and grow with every cycle)."""
-    parsed = urlparse(url)
-    if parsed.scheme != "file":
+    from replicator.endpoints import local_path
+    named = local_path(url)
+    if named is None:
         return
-    path = os.path.realpath(parsed.path)
+    path = os.path.realpath(named)
     for top, what in ((where.mountpoint, "mounted filesystem"), (where.store, "store")):
         if top and _inside(path, os.path.realpath(top)):
-            raise StoreError(f"the mirror {parsed.path} is inside the source {what} {top}; "
+            raise StoreError(f"the mirror {named} is inside the source {what} {top}; "
                              f"choose a directory outside it")
     from mountfs.mount import find_mount
     info = find_mount(path)
     if info is not None and os.path.realpath(info.store) == os.path.realpath(where.store):
-        raise StoreError(f"the mirror {parsed.path} is inside the source filesystem "
+        raise StoreError(f"the mirror {named} is inside the source filesystem "
                          f"(mounted at {info.mountpoint}); choose a directory outside it")
 
 

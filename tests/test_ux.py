@@ -119,6 +119,22 @@ def test_a_mirror_inside_the_source_is_refused(mounted):
     assert snapshots(m) == []
 
 
+# ---- a file URL with a host ----------------------------------------------------------------
+
+def test_a_file_url_with_a_host_is_refused(mounted, tmp_path):
+    """In file://var/tmp/x "var" is the host and the path /tmp/x: replicate and verify
+    refuse it, naming the URL meant, and write nowhere."""
+    m = mounted
+    top, rest = str(tmp_path / "x").lstrip("/").split("/", 1)
+    for command, option, code in (("replicate", "--to", 1), ("verify", "--to", 2),
+                                  ("verify", "--mirror", 2)):
+        res = cli("snapctl", "-m", m.mnt, command, option, f"file://{top}/{rest}", check=False)
+        err = one_line_error(res, code)
+        assert f"names the host {top!r}" in err and f"file:///{top}/{rest}" in err, err
+    assert snapshots(m) == []
+    assert not (tmp_path / "x").exists() and not Path("/", rest).exists()
+
+
 # ---- 8: configured mirrors, others apart, forget-mirror -------------------------------------
 
 def test_only_configured_mirrors_count_and_forget_mirror_drops_one(mounted, tmp_path):
