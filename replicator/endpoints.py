@@ -76,6 +76,7 @@ class LocalMirror:
             raise StoreError(f"cannot use {path} as a mirror store: {e.strerror}; choose a "
                              f"directory this host can create and write") from None
         self.sink = FileSink(str(path))
+        self.url = path.as_uri()
 
     def info(self) -> dict:
         return mirror.info(self.store)
@@ -99,10 +100,10 @@ class LocalMirror:
 
     def commit_parts(self, source_uuid: bytes, base_uuid: str | None,
                      snap: mirror.SnapshotRef, transfer: bytes, digests: list[bytes],
-                     reconcile: bool = False) -> None:
+                     reconcile: bool = False, force: bool = False) -> None:
         """Commit the changeset staged as parts (stage_part), read back part by part."""
         mirror.commit_staged(self.store, source_uuid, base_uuid, snap, transfer, digests,
-                             reconcile)
+                             reconcile, force)
         self.store.sync()
         mirror.purge_deleted(self.store)
         self.store.sync()
