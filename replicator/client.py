@@ -150,9 +150,11 @@ class HttpMirror:
         _call(self.client, "POST", f"/v1/parts/{transfer.hex()}/{index}", compress(raw))
 
     def commit_parts(self, source_uuid: bytes, base_uuid: str | None, snap: SnapshotRef,
-                     transfer: bytes, digests: list[bytes], reconcile: bool = False) -> None:
+                     transfer: bytes, digests: list[bytes], reconcile: bool = False,
+                     force: bool = False) -> None:
         _call(self.client, "POST", "/v1/commit-parts", compress_json({
             "source_uuid": source_uuid.hex(), "base_uuid": base_uuid, "reconcile": reconcile,
+            "force": force,
             "snapshot": {"name": snap.name, "uuid": snap.uuid, "created_ns": snap.created_ns},
             "transfer": transfer.hex(), "parts": [d.hex() for d in digests]}),
             timeout=commit_timeout(len(digests)))

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import sys
-from urllib.parse import urlparse
 
 import click
 
@@ -47,18 +46,19 @@ def _inside(path: str, top: str) -> bool:
 def refuse_mirror_inside_source(where: snapctl.Target, url: str) -> None:
     """A ``file://`` mirror inside the source's mount or store would replicate the
     filesystem into itself (and grow with every cycle)."""
-    parsed = urlparse(url)
-    if parsed.scheme != "file":
+    from replicator.endpoints import local_path
+    named = local_path(url)
+    if named is None:
         return
-    path = os.path.realpath(parsed.path)
+    path = os.path.realpath(named)
     for top, what in ((where.mountpoint, "mounted filesystem"), (where.store, "store")):
         if top and _inside(path, os.path.realpath(top)):
-            raise StoreError(f"the mirror {parsed.path} is inside the source {what} {top}; "
+            raise StoreError(f"the mirror {named} is inside the source {what} {top}; "
                              f"choose a directory outside it")
     from mountfs.mount import find_mount
     info = find_mount(path)
     if info is not None and os.path.realpath(info.store) == os.path.realpath(where.store):
-        raise StoreError(f"the mirror {parsed.path} is inside the source filesystem "
+        raise StoreError(f"the mirror {named} is inside the source filesystem "
                          f"(mounted at {info.mountpoint}); choose a directory outside it")
 
 
@@ -105,7 +105,9 @@ def _take_snapshot(where) -> str:
 @click.option("--snapshot", "name", help="Send this snapshot (default: take one of the live "
               "tree now, named repl-YYYYmmddTHHMMSS.ffffffZ; removed again if the run fails).")
 @click.option("--force", is_flag=True,
-              help="If the mirror changed since the base, roll it back to the base.")
+              help="If the mirror changed since the base, roll it back to the base; if "
+              "MIRROR_URL is a store with files of its own (not a mirror, not fresh from "
+              "mkfs), replace its live tree and make it a mirror (http(s): admin token).")
 @click.option("--spark-master", metavar="URL", envvar="MOUNTFS_SPARK_MASTER",
               help="Spark master (spark://, yarn, k8s://); default: embedded local[*].")
 @click.option("--token-file", type=click.Path(dir_okay=False), help=TOKEN_HELP)
@@ -428,22 +430,26 @@ def forget_mirror(ctx, url):
 @click.option("--tls-key", type=click.Path(dir_okay=False), help="The certificate's key.")
 @click.option("--chunk-size", type=SIZE, default="1M", show_default=True,
               help="Chunk size if STORE does not exist yet (must match the source's).")
+@click.option("--force", is_flag=True, help="Serve STORE even if it is a store with files "
+              "of its own, not a mirror (replicate --force with the admin token then makes "
+              "it one).")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages (as 'mountfs -v').")
 @click.pass_context
 def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, max_staged,
                  keep_free, staging_expiry, body_timeout, tls_cert, tls_key, chunk_size,
-                 verbose):
+                 force, verbose):
     """Receive replication into mirror STORE over HTTP(S) (created if missing).
 
     Sources replicate with 'snapctl replicate --to https://HOST:PORT --token-file FILE
     --ca-file CERT'. Every request must carry a token; the replicate token can only add
     snapshots (append-only), the admin token may also roll back and prune. Without
-    --tls-cert, listen on loopback only. The store stays locked while this runs."""
+    --tls-cert, listen on loopback only. The store stays locked while this runs. A store
+    with files of its own (not a mirror, not fresh from mkfs) is served only with --force."""
     import trio
 
     from mountfs.cli import setup_logging
     from mountfs.store import Store
-    from replicator.mirror import StagingLimits
+    from replicator.mirror import StagingLimits, info, overwrites
     from replicator.server import Limits, serve
     setup_logging(verbose or (ctx.obj or {}).get("verbose", False))
     if bool(tls_cert) != bool(tls_key):
@@ -462,8 +468,14 @@ def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, 
         if not os.path.exists(os.path.join(store, "data.mdb")):
             Store.mkfs(store, chunk_size)
         st = Store.open(store, holder=f"serving a mirror on {listen}", readahead=False)
+        held = info(st)
     except StoreError as e:
         fail(str(e))
+    if not force and overwrites(held["mirror_of"], held["empty"]):
+        st.close()
+        fail(f"{os.path.abspath(store)} is a mountfs store with files of its own, not a "
+             f"mirror: serving it would offer them to be replaced; serve a new or empty "
+             f"directory, or pass --force to serve this store all the same")
     scheme = "https" if tls_cert else "http"
     click.echo(f"serving mirror {os.path.abspath(store)} on {scheme}://{listen}", err=True)
     try:

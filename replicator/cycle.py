@@ -1,7 +1,8 @@
 """One replication cycle:
 
 1. base: the newest source snapshot older than the one being sent whose uuid the mirror
-   holds (none: a full first copy into an empty mirror);
+   holds (none: a full first copy into an empty mirror); a store that is no mirror and
+   holds something of its own is refused unless ``force`` (mirror.overwrites);
 2. the mirror must not have changed since its copy of the base (O(1): its root's mepoch);
    ``force`` rolls it back to the base first. Without a common snapshot, a mirror that is
    not empty (a lost base, seeded another way) is reconciled by bucket hashes instead;
@@ -31,7 +32,7 @@ from mountfs import snapshots as snaps
 from mountfs.store import Store, StoreError
 
 from . import changeset, transfer
-from .mirror import MirrorError, SnapshotRef
+from .mirror import MirrorError, SnapshotRef, not_a_mirror, overwrites
 from .verify import reconcile
 
 
@@ -86,6 +87,9 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
             older = [s for s in snaps.list_all(txn, source.db) if s.epoch < snap.epoch]
         info = mirror.info()
         _check_compatible(source, info)
+        overwrite = overwrites(info["mirror_of"], info["empty"])
+        if overwrite and not force:
+            raise not_a_mirror(mirror.url)
         held = {s["uuid"]: s for s in info["snapshots"]}
         if snap.uuid.hex() in held:
             return CycleResult(snap.name, None, 0, 0, 0, 0, 0, time.monotonic() - started)
@@ -129,7 +133,8 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
         phase(COMMITTING)
         mirror.commit_parts(source.uuid, base.uuid.hex() if base else None,
                             SnapshotRef(snap.name, snap.uuid.hex(), snap.created_ns),
-                            sender.transfer, sender.digests, reconcile=reconciling)
+                            sender.transfer, sender.digests, reconcile=reconciling,
+                            force=overwrite)
         sent = sender.sent
         return CycleResult(snap.name, base.name if base else None, sender.entries,
                            sender.inodes, sent.chunks, sent.bytes,

@@ -16,13 +16,26 @@ def open_mirror(url: str, chunk_size: int, token: str | None = None,
                 ca_file: str | None = None, create: bool = True):
     """The mirror at ``url``; with ``create``, a ``file://`` mirror that does not exist yet
     is created with the source's chunk size."""
-    parsed = urlparse(url)
-    if parsed.scheme == "file":
-        return LocalMirror(Path(parsed.path), chunk_size, create)
-    if parsed.scheme in ("http", "https"):
+    path = local_path(url)
+    if path is not None:
+        return LocalMirror(path, chunk_size, create)
+    if urlparse(url).scheme in ("http", "https"):
         from .client import HttpMirror
         return HttpMirror(url, token, ca_file)
     raise StoreError(f"unsupported mirror URL {url!r}: use file:///path or http(s)://host:port")
+
+
+def local_path(url: str) -> Path | None:
+    """The path a ``file://`` URL names (None for another scheme). A file URL with a host
+    is refused: in ``file://var/tmp/x`` "var" is the host and the path is /tmp/x, a
+    directory the user never named; a mirror on a path is on this host."""
+    parsed = urlparse(url)
+    if parsed.scheme != "file":
+        return None
+    if parsed.netloc not in ("", "localhost"):
+        raise StoreError(f"{url} names the host {parsed.netloc!r}, not a path on this host; "
+                         f"write file:///{parsed.netloc}{parsed.path} (three slashes)")
+    return Path(parsed.path)
 
 
 class FileSink:
@@ -63,6 +76,7 @@ class LocalMirror:
             raise StoreError(f"cannot use {path} as a mirror store: {e.strerror}; choose a "
                              f"directory this host can create and write") from None
         self.sink = FileSink(str(path))
+        self.url = path.as_uri()
 
     def info(self) -> dict:
         return mirror.info(self.store)
@@ -86,10 +100,10 @@ class LocalMirror:
 
     def commit_parts(self, source_uuid: bytes, base_uuid: str | None,
                      snap: mirror.SnapshotRef, transfer: bytes, digests: list[bytes],
-                     reconcile: bool = False) -> None:
+                     reconcile: bool = False, force: bool = False) -> None:
         """Commit the changeset staged as parts (stage_part), read back part by part."""
         mirror.commit_staged(self.store, source_uuid, base_uuid, snap, transfer, digests,
-                             reconcile)
+                             reconcile, force)
         self.store.sync()
         mirror.purge_deleted(self.store)
         self.store.sync()

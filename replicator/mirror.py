@@ -216,6 +216,21 @@ def _is_empty(txn, dbs, live: int, chunk_size: int) -> bool:
     return not snaps.list_all(txn, dbs) and view.is_empty_dir(S.ROOT_INO)
 
 
+def overwrites(mirror_of: bytes | str | None, empty: bool) -> bool:
+    """Whether replicating would replace a filesystem of its own: a store that is nobody's
+    mirror yet holds snapshots or files (one made by mkfs and written to, a promoted
+    mirror). Its live tree would become the source's, its own files gone; so, as ZFS will
+    not receive over a modified dataset without -F, that takes --force. A store fresh from
+    mkfs (no snapshot, an empty root) has nothing to lose: making it first is fine."""
+    return mirror_of is None and not empty
+
+
+def not_a_mirror(name: str) -> MirrorError:
+    return MirrorError(f"{name} is a mountfs store with files of its own, not a mirror: "
+                       f"replicating would replace them; pass --force to make it a mirror "
+                       f"of this filesystem, or choose another directory")
+
+
 # ---- committing a cycle -------------------------------------------------------------------
 
 def commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
@@ -246,7 +261,7 @@ class Committed:
 
 def commit_staged(store: Store, source_uuid: bytes, base_uuid: str | None,
                   snapshot: SnapshotRef, transfer: bytes, digests: list[bytes],
-                  reconcile: bool = False) -> Committed:
+                  reconcile: bool = False, force: bool = False) -> Committed:
     """Commit a changeset staged as parts. One of at most commit_batch_records() records is
     applied and snapshotted in one transaction (as commit does). A larger one in several,
     so that memory is bounded by a transaction's worth of parts, not by the change: the
@@ -260,7 +275,7 @@ def commit_staged(store: Store, source_uuid: bytes, base_uuid: str | None,
         snaps.undo_interrupted(txn, dbs, store.chunk_size)
         parts = staged_parts(txn, dbs, transfer, digests)
         base = _check_commit(txn, dbs, store.chunk_size, source_uuid, base_uuid, snapshot,
-                             reconcile)
+                             reconcile, force)
         live = Live(txn, dbs, snaps.live_epoch(txn, dbs), store.chunk_size)
         held = _checked(live, parts, steps, batch)
         if held is not None:
@@ -328,10 +343,12 @@ def _in_batches(store: Store, transfer: bytes, count: int, step, batch: int) -> 
 
 
 def _check_commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str | None,
-                  snapshot: SnapshotRef, reconcile: bool) -> S.Snapshot | None:
-    """The preconditions of a commit; the base snapshot, if any."""
+                  snapshot: SnapshotRef, reconcile: bool,
+                  force: bool = False) -> S.Snapshot | None:
+    """The preconditions of a commit; the base snapshot, if any. ``force``: the store may
+    be one of its own (overwrites), made a mirror by this commit."""
     base = _check_base(txn, dbs, chunk_size, snaps.live_epoch(txn, dbs), source_uuid,
-                       base_uuid, reconcile)
+                       base_uuid, reconcile, force)
     for s in snaps.list_all(txn, dbs):
         if s.name == snapshot.name or s.uuid.hex() == snapshot.uuid:
             raise MirrorError(f"the mirror already has snapshot {s.name!r}")
@@ -349,11 +366,13 @@ def _take_snapshot(txn, dbs, chunk_size: int, source_uuid: bytes,
 
 
 def _check_base(txn, dbs, chunk_size: int, live_epoch: int, source_uuid: bytes,
-                base_uuid: str | None, reconcile: bool) -> S.Snapshot | None:
+                base_uuid: str | None, reconcile: bool, force: bool) -> S.Snapshot | None:
     mirror_of = txn.get(b"mirror_of", db=dbs["meta"])
     if mirror_of is not None and bytes(mirror_of) != source_uuid:
         raise MirrorError(f"the mirror holds another store ({bytes(mirror_of).hex()}), "
                           f"not this source ({source_uuid.hex()})")
+    if not force and overwrites(mirror_of, _is_empty(txn, dbs, live_epoch, chunk_size)):
+        raise not_a_mirror("the receiving store")
     if base_uuid is None:
         if not reconcile and not _is_empty(txn, dbs, live_epoch, chunk_size):
             raise MirrorError("the mirror is not empty and shares no snapshot with the "

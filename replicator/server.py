@@ -16,7 +16,9 @@ API (version 1; bodies are zstd-compressed):
   POST /v1/commit               {"source_uuid", "base_uuid", "snapshot", "changeset"} (JSON)
   POST /v1/parts/TRANSFER/N     part N of a changeset (JSON, at most 16 MiB): validated, staged
   POST /v1/commit-parts         {"source_uuid", "base_uuid", "snapshot", "transfer", "parts":
-                                [hex digest of each part, in order]}: applies the staged parts
+                                [hex digest of each part, in order], "force"}: applies the
+                                staged parts; "force" (admin token only) lets them replace a
+                                store that is no mirror and has files of its own
   POST /v1/rollback             {"base_uuid"} (JSON): discard mirror changes since the base
   POST /v1/buckets              {"snapshot": uuid or null, "recompute"} -> K hashes, 32 bytes each
   POST /v1/bucket-items         {"snapshot", "buckets": [..]} -> {bucket: {identity: hash}}
@@ -260,11 +262,15 @@ class Receiver:
         if not isinstance(names, list) or not 0 < len(names) <= mirror.MAX_PARTS:
             raise ValueError(f"parts must be a list of 1..{mirror.MAX_PARTS} digests")
         digests = [_digest(d) for d in names]
+        force = _flag(req, "force")
+        if force and self.rights(request) != "admin":
+            raise AdminOnly("this token may only add snapshots: --force, which replaces the "
+                            "files of a store that is no mirror, needs the admin token")
 
         def work():
             done = mirror.commit_staged(self.store, _uuid(req, "source_uuid"),
                                         _uuid_hex(req, "base_uuid"), snap, transfer, digests,
-                                        bool(req.get("reconcile")))
+                                        bool(req.get("reconcile")), force)
             self.store.sync()
             mirror.purge_deleted(self.store)
             return done
@@ -343,10 +349,21 @@ class SlowBody(mirror.MirrorError):
     """A body that did not arrive in time (408)."""
 
 
+class AdminOnly(mirror.MirrorError):
+    """A request only the admin token may make, told by its body (403)."""
+
+
 def _string(req: dict, key: str) -> str:
     value = req[key]
     if not isinstance(value, str):
         raise ValueError(f"{key} must be a string")
+    return value
+
+
+def _flag(req: dict, key: str) -> bool:
+    value = req.get(key, False)
+    if type(value) is not bool:
+        raise ValueError(f"{key} must be true or false")
     return value
 
 
@@ -415,6 +432,8 @@ def make_app(receiver: Receiver) -> Starlette:
                 return refuse(request, 413, str(e))
             except SlowBody as e:
                 return refuse(request, 408, str(e))
+            except AdminOnly as e:
+                return refuse(request, 403, str(e))
             except StoreError as e:          # MirrorError included: the client's fault
                 return refuse(request, 409, _one_line(str(e)))
             except MALFORMED as e:

@@ -348,14 +348,27 @@ def test_without_a_common_base_a_mirror_converges_by_buckets(spark, mounted, tmp
     assert_mirror_equals(m, mirror, "s2", tmp_path, latest=True)
 
 
-def test_a_foreign_non_empty_store_is_reconciled_not_refused(spark, mounted, tmp_path):
-    m, seeded = mounted, tmp_path / "seeded"
+def test_a_store_of_its_own_is_refused_unless_forced(spark, mounted, tmp_path):
+    """A store that is no mirror and holds a file (or a snapshot) of its own is refused, by
+    the cycle and by the receiving side alone (an old client); --force reconciles it into
+    a mirror. A store fresh from mkfs is taken as it is."""
+    m, own, fresh = mounted, tmp_path / "own", tmp_path / "fresh"
     (m.mnt / "f").write_text("x")
     m.snapctl("create", "s1")
-    Store.mkfs(seeded)
-    tamper(seeded)                                # holds a file the source never had
-    send(m, seeded, "s1")
-    assert_mirror_equals(m, seeded, "s1", tmp_path)
+    Store.mkfs(own)
+    tamper(own)                                   # holds a file the source never had
+    with pytest.raises(MirrorError, match=f"^{own.as_uri()} is a mountfs store with files "
+                                          f"of its own, not a mirror: .* pass --force"):
+        send(m, own, "s1")
+    with pytest.raises(MirrorError, match="receiving store is a mountfs store with files"):
+        commit_by_hand(own, changeset.Changeset())
+    info = mirror_info(own)
+    assert info["mirror_of"] is None and info["snapshots"] == [] and not info["empty"]
+    send(m, own, "s1", force=True)
+    assert mirror_info(own)["mirror_of"] == mirror_info(m.store)["uuid"]
+    assert_mirror_equals(m, own, "s1", tmp_path)
+    Store.mkfs(fresh)
+    assert send(m, fresh, "s1").base is None
 
 
 def test_replicating_into_a_mirror_of_another_source_is_refused(spark, make_mount, tmp_path):

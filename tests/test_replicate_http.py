@@ -3,6 +3,7 @@ process, reached over HTTP and HTTPS with a bearer token."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -11,16 +12,19 @@ import sys
 import time
 from pathlib import Path
 
+import blake3
 import httpx
 import pytest
 
 from mountfs.store import Store
+from replicator.changeset import Changeset
 from replicator.client import HttpMirror
 from replicator.cycle import replicate
 from replicator.mirror import MirrorError
+from replicator.server import compress_json
 
-from conftest import TOKEN, Mount, Receiver, free_port
-from test_replicate import assert_mirror_equals, churn, populate, staged_count
+from conftest import ADMIN_TOKEN, TOKEN, Mount, Receiver, free_port
+from test_replicate import assert_mirror_equals, churn, populate, staged_count, tamper
 
 def send(m: Mount, url: str, snapshot: str, token=TOKEN, ca_file=None, **kw):
     mirror = HttpMirror(url, token, ca_file=ca_file)
@@ -193,6 +197,49 @@ def test_restore_from_an_http_mirror(spark, mounted, receiver, tmp_path):
     assert tree_state(m.mnt / "back") == want
     res = m.snapctl("restore", "--from", r.url, "s1", "--to", "again", check=False)
     assert res.returncode == 1 and "no token" in res.stderr
+
+
+def test_a_store_of_its_own_is_served_and_replaced_only_when_forced(spark, mounted, receiver,
+                                                                     tmp_path):
+    """serve-mirror will not serve a store that is no mirror and has a file of its own
+    unless given --force; served, a replicate is refused without --force (and the receiver
+    refuses the commit of a client that does not check), its --force travels in the commit,
+    checked, and needs the admin token; with both, the store becomes a mirror."""
+    m, own = mounted, tmp_path / "mirror"
+    Store.mkfs(own)
+    tamper(own)
+    res = subprocess.run([sys.executable, "-m", "cmdline.mountfs", "serve-mirror", str(own),
+                          "--token-file", str(tmp_path / "token")], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 1 and res.stderr.splitlines() == [
+        f"mountfs: {own} is a mountfs store with files of its own, not a mirror: serving it "
+        f"would offer them to be replaced; serve a new or empty directory, or pass --force "
+        f"to serve this store all the same"]
+    r = receiver(extra=("--force",))
+    (m.mnt / "f").write_text("x")
+    m.snapctl("create", "s1")
+    with pytest.raises(MirrorError, match=f"^{r.url} is a mountfs store with files of its "
+                                          f"own, not a mirror: .* pass --force"):
+        send(m, r.url, "s1")
+    client = HttpMirror(r.url, TOKEN)
+    raw, transfer = json.dumps(Changeset().to_json()).encode(), os.urandom(16)
+    client.stage_part(transfer, 0, raw)
+    commit = {"source_uuid": "01" * 16, "base_uuid": None, "reconcile": True,
+              "snapshot": {"name": "s", "uuid": "ab" * 16, "created_ns": 1},
+              "transfer": transfer.hex(), "parts": [blake3.blake3(raw).hexdigest()]}
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for force, status, reason in ((None, 409, "receiving store is a mountfs store with files"),
+                                  ("yes", 400, "force must be true or false"),
+                                  (True, 403, "needs the admin token")):
+        body = commit if force is None else {**commit, "force": force}
+        res = httpx.post(r.url + "/v1/commit-parts", headers=auth, content=compress_json(body))
+        assert res.status_code == status and reason in res.json()["error"], res.text
+    with pytest.raises(MirrorError, match="needs the admin token"):
+        send(m, r.url, "s1", force=True)
+    assert HttpMirror(r.url, TOKEN).info()["snapshots"] == []
+    send(m, r.url, "s1", token=ADMIN_TOKEN, force=True)
+    r.stop()
+    assert_mirror_equals(m, own, "s1", tmp_path)
 
 
 def test_a_hung_receiver_trips_the_watchdog_and_the_rerun_resumes(mounted, receiver, tmp_path):

@@ -119,6 +119,44 @@ def test_a_mirror_inside_the_source_is_refused(mounted):
     assert snapshots(m) == []
 
 
+# ---- a replication target that is no mirror, a file URL with a host -----------------------
+
+def test_a_store_with_files_of_its_own_is_not_replaced(make_mount, tmp_path):
+    """A new user replicated to another mountfs store (made by mkfs, written, not a mirror)
+    and lost its files. Refused in one line that names it and --force, leaving it as it
+    was; --force makes it a mirror."""
+    m, other = make_mount(), make_mount()
+    (m.mnt / "f").write_text("source")
+    (other.mnt / "f0").write_text("precious")
+    other.umount()
+    err = one_line_error(replicate(m, f"file://{other.store}"))
+    assert err == (f"snapctl: {other.store.as_uri()} is a mountfs store with files of its "
+                   f"own, not a mirror: replicating would replace them; pass --force to make "
+                   f"it a mirror of this filesystem, or choose another directory")
+    assert snapshots(m) == []
+    other.mount()
+    assert (other.mnt / "f0").read_text() == "precious"
+    other.umount()
+    res = replicate(m, f"file://{other.store}", "--force")
+    assert res.returncode == 0 and "full copy" in res.stdout, res.stderr
+    res = cli("mountfs", "mount", other.store, other.mnt, check=False)
+    assert res.returncode == 1 and "is a mirror" in res.stderr
+
+
+def test_a_file_url_with_a_host_is_refused(mounted, tmp_path):
+    """In file://var/tmp/x "var" is the host and the path /tmp/x: replicate and verify
+    refuse it, naming the URL meant, and write nowhere."""
+    m = mounted
+    top, rest = str(tmp_path / "x").lstrip("/").split("/", 1)
+    for command, option, code in (("replicate", "--to", 1), ("verify", "--to", 2),
+                                  ("verify", "--mirror", 2)):
+        res = cli("snapctl", "-m", m.mnt, command, option, f"file://{top}/{rest}", check=False)
+        err = one_line_error(res, code)
+        assert f"names the host {top!r}" in err and f"file:///{top}/{rest}" in err, err
+    assert snapshots(m) == []
+    assert not (tmp_path / "x").exists() and not Path("/", rest).exists()
+
+
 # ---- 8: configured mirrors, others apart, forget-mirror -------------------------------------
 
 def test_only_configured_mirrors_count_and_forget_mirror_drops_one(mounted, tmp_path):
