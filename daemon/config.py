@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mountfs.snapshots import DAEMON_PREFIX
-from mountfs.units import parse_duration, parse_size
+from mountfs.units import Address, parse_duration, parse_listen, parse_size
 
 from .retention import Policy, PolicyError, parse_policy
 
@@ -80,7 +80,7 @@ class FilesystemConfig:
 class Config:
     path: str
     state_dir: str = "/run/mountfs"
-    metrics_listen: str | None = None
+    metrics_listen: Address | None = None
     spark_master: str | None = None
     filesystems: list[FilesystemConfig] = field(default_factory=list)
 
@@ -121,11 +121,8 @@ class _Checker:
         self.only(d, "daemon.", {"state_dir", "metrics_listen", "spark_master"})
         cfg = Config(str(self.path),
                      state_dir=self.string(d, "daemon.", "state_dir", "/run/mountfs"),
-                     metrics_listen=self.string(d, "daemon.", "metrics_listen", None),
+                     metrics_listen=self.listen(d, "daemon.", "metrics_listen"),
                      spark_master=self.string(d, "daemon.", "spark_master", None))
-        if cfg.metrics_listen is not None and not re.match(r"^[\w.\-\[\]:]+:\d+$",
-                                                           cfg.metrics_listen):
-            self.fail("daemon.", "metrics_listen", "expected HOST:PORT")
         filesystems = raw.get("filesystem", [])
         if not isinstance(filesystems, list) or not filesystems:
             raise ConfigError(f"{self.path}: no [[filesystem]] configured")
@@ -199,6 +196,14 @@ class _Checker:
     def duration(self, raw, where, key, default: float) -> float:
         try:
             return parse_duration(raw.get(key, default))
+        except ValueError as e:
+            self.fail(where, key, str(e))
+
+    def listen(self, raw, where, key) -> Address | None:
+        if key not in raw:
+            return None
+        try:
+            return parse_listen(raw[key])
         except ValueError as e:
             self.fail(where, key, str(e))
 

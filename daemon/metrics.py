@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from mountfs.units import Address
+
 LABELS = ("filesystem", "mirror")
 
 
@@ -55,7 +57,7 @@ class Metrics:
                 if labels[0] == filesystem and labels not in wanted:
                     metric.remove(*labels)
 
-    def serve(self, listen: str) -> None:
-        """Serve /metrics from a background thread (never on the trio loop)."""
-        host, _, port = listen.rpartition(":")
-        start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=self.registry)
+    def serve(self, listen: Address) -> None:
+        """Serve /metrics from a background thread (never on the trio loop). An address that
+        cannot be resolved or bound raises OSError here, before the thread starts."""
+        start_http_server(listen.port, addr=listen.host, registry=self.registry)

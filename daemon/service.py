@@ -282,7 +282,7 @@ async def serve(config_path: str) -> None:
     cfg = config_mod.load(config_path)
     metrics = Metrics()
     if cfg.metrics_listen:
-        metrics.serve(cfg.metrics_listen)
+        _serve_metrics(metrics, cfg)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as outer:
             if watchdog_interval():
@@ -300,6 +300,16 @@ async def serve(config_path: str) -> None:
                 notify(RELOADING="0", READY="1")
             outer.cancel_scope.cancel()
     notify(STOPPING="1")
+
+
+def _serve_metrics(metrics: Metrics, cfg: config_mod.Config) -> None:
+    """A metrics address this host cannot use is the config's to fix: one line naming the
+    key (systemd would otherwise restart the daemon into the same traceback)."""
+    try:
+        metrics.serve(cfg.metrics_listen)
+    except OSError as e:
+        raise config_mod.ConfigError(f"{cfg.path}: daemon.metrics_listen: "
+                                     f"{cfg.metrics_listen.cannot_listen(e)}") from None
 
 
 async def _run_until_signal(cfg, metrics, signals, outer) -> bool:

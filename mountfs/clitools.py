@@ -121,6 +121,7 @@ class _Units(click.ParamType):
 
 SIZE = _Units("size", units.parse_size)
 DURATION = _Units("duration", units.parse_duration)
+LISTEN = _Units("address", units.parse_listen)
 
 
 def _remember(key: str):

@@ -134,6 +134,7 @@ class Store:
         env = None
         try:
             env = _open_env(path, readonly=readonly, create=False, readahead=readahead)
+            _check_size(env, path)
             _check_format(env, path)
             store = cls(path, env, lockfd, readonly)
             if not readahead:
@@ -243,7 +244,7 @@ class Store:
 
     def pages_end(self) -> int:
         """Where LMDB's last page ends in the data file (bytes)."""
-        return (self.env.info()["last_pgno"] + 1) * self.psize
+        return _pages_end(self.env)
 
     @functools.cached_property
     def psize(self) -> int:
@@ -306,6 +307,25 @@ def _open_env(path: Path, readonly: bool, create: bool,
                          readahead=readahead, max_readers=1024, lock=True)
     except lmdb.Error as e:
         raise StoreError(f"{path}: cannot open store: {e}") from e
+
+
+def _pages_end(env: lmdb.Environment) -> int:
+    return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+
+
+def _check_size(env: lmdb.Environment, path: Path) -> None:
+    """Refuse a data file shorter than the pages LMDB's meta says are in use. LMDB maps the
+    file: the first read of a page past its end would kill the process with SIGBUS, no
+    message. A writer writes its pages before the meta naming them, so reading the meta
+    first and the size second never refuses a store a writer is growing."""
+    end = _pages_end(env)
+    size = os.stat(_data_file(path)).st_size
+    if size < end:
+        raise StoreError(f"{_data_file(path)} is truncated: {size:,} bytes but LMDB's last "
+                         f"page ends at {end:,}; the store is damaged: restore it from a "
+                         f"backup or a mirror (copy the mirror's store, then 'mountfs "
+                         f"promote' the copy); a damaged mirror: move it aside and "
+                         f"replicate again")
 
 
 def _check_format(env: lmdb.Environment, path: Path) -> None:

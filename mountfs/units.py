@@ -1,17 +1,21 @@
-"""The one parser for sizes and the one for durations, used by every command line and by the
-daemon's config, so that what one accepts the other accepts too ("16M", "5m", plain numbers).
+"""The one parser for sizes, the one for durations and the one for listen addresses, used by
+every command line and by the daemon's config, so that what one accepts the other accepts too
+("16M", "5m", plain numbers, "127.0.0.1:8765").
 
-Sizes are binary (K = 1024); durations take ms, s, m, h, d, w (no unit: seconds).
+Sizes are binary (K = 1024); durations take ms, s, m, h, d, w (no unit: seconds); addresses
+are HOST:PORT, an IPv6 host in brackets.
 """
 
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+LISTEN = re.compile(r"^(?:\[([0-9A-Fa-f:.]+)\]|([\w.\-]+)):(\d+)$")
 
 
 def parse_size(value: str | int) -> int:
@@ -34,6 +38,36 @@ def parse_duration(value: str | int | float) -> float:
         raise ValueError(f"expected a duration like 30s, 5m, 2h, 1d or a number of seconds "
                          f"(got {value!r})")
     return float(m.group(1)) * DURATION_UNITS[m.group(2)]
+
+
+class Address(NamedTuple):
+    """Where to listen. str() gives HOST:PORT back in the form the parser takes, so that
+    a message names the address as the user wrote it."""
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def cannot_listen(self, error: OSError) -> str:
+        """Why this address could not be listened on, and what to do, in the same words
+        from every program that listens."""
+        return (f"cannot listen on {self}: {error.strerror or error}; choose a free port or "
+                f"an address of this host")
+
+
+def parse_listen(value: str) -> Address:
+    """(host, port) from ``"127.0.0.1:8765"``, ``"[::1]:8765"``, ``"backup:8765"``; ValueError
+    otherwise. The port is required: a default would be a different one per program, and
+    whoever reads the address back (a client, Prometheus) must know it."""
+    m = LISTEN.match(value) if isinstance(value, str) else None
+    if not m:
+        raise ValueError(f"expected HOST:PORT like 127.0.0.1:8765 or [::1]:8765 "
+                         f"(got {value!r})")
+    port = int(m.group(3))
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range 1-65535 (got {value!r})")
+    return Address(m.group(1) or m.group(2), port)
 
 
 def human_bytes(n: float) -> str:

@@ -16,7 +16,7 @@ import sys
 import click
 
 from mountfs import snapctl
-from mountfs.clitools import CONTEXT, DURATION, SIZE, fail, target_options
+from mountfs.clitools import CONTEXT, DURATION, LISTEN, SIZE, fail, target_options
 from mountfs.errors import StoreError
 
 TOKEN_HELP = "Bearer token for an http(s) mirror (else $MOUNTFS_TOKEN)."
@@ -403,8 +403,8 @@ def forget_mirror(ctx, url):
 
 @click.command("serve-mirror", context_settings=CONTEXT)
 @click.argument("store", type=click.Path())
-@click.option("--listen", default="127.0.0.1:8765", show_default=True, metavar="HOST:PORT",
-              help="Address to listen on.")
+@click.option("--listen", type=LISTEN, default="127.0.0.1:8765", show_default=True,
+              metavar="HOST:PORT", help="Address to listen on.")
 @click.option("--token-file", required=True, type=click.Path(dir_okay=False),
               help="File holding the replicate token: it can only ADD snapshots (append-"
               "only: no rollback, no snapshot deletion). Give it to the source.")
@@ -450,7 +450,7 @@ def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, 
     from mountfs.cli import setup_logging
     from mountfs.store import Store
     from replicator.mirror import StagingLimits, info, overwrites
-    from replicator.server import Limits, serve
+    from replicator.server import Limits, bind, serve
     setup_logging(verbose or (ctx.obj or {}).get("verbose", False))
     if bool(tls_cert) != bool(tls_key):
         fail("--tls-cert and --tls-key go together")
@@ -458,12 +458,16 @@ def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, 
     admin_token = read_token_file(admin_token_file) if admin_token_file else None
     if admin_token == token:
         fail("the admin token must differ from the replicate token")
-    if not tls_cert and not _is_loopback(listen):
+    if not tls_cert and not _is_loopback(listen.host):
         click.echo(f"WARNING: serving on {listen} without TLS: the token and every byte of "
                    f"the mirror cross the network in clear; use --tls-cert/--tls-key",
                    err=True)
     limits = Limits(max_body=max_request, body_seconds=body_timeout,
                     staging=StagingLimits(max_staged, staging_expiry, keep_free))
+    try:
+        sock = bind(listen)         # first: a mirror store is never created for nothing
+    except OSError as e:
+        fail(f"--listen: {listen.cannot_listen(e)}")
     try:
         if not os.path.exists(os.path.join(store, "data.mdb")):
             Store.mkfs(store, chunk_size)
@@ -479,7 +483,7 @@ def serve_mirror(ctx, store, listen, token_file, admin_token_file, max_request, 
     scheme = "https" if tls_cert else "http"
     click.echo(f"serving mirror {os.path.abspath(store)} on {scheme}://{listen}", err=True)
     try:
-        trio.run(functools.partial(serve, st, token, listen, tls_cert, tls_key,
+        trio.run(functools.partial(serve, st, token, sock, tls_cert, tls_key,
                                    admin_token=admin_token, limits=limits))
     except* KeyboardInterrupt:      # Ctrl-C: also when it lands in a connection's task
         pass
@@ -506,9 +510,8 @@ def read_token_file(path: str, strict: bool = True) -> str:
     return token
 
 
-def _is_loopback(listen: str) -> bool:
+def _is_loopback(host: str) -> bool:
     import ipaddress
-    host = listen.rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True
     try:

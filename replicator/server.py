@@ -38,6 +38,7 @@ import io
 import json
 import logging
 import signal
+import socket
 import struct
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mountfs.store import Store, StoreError
+from mountfs.units import Address
 
 from . import mirror
 from .changeset import Changeset
@@ -476,14 +478,32 @@ def _peer_gone(record: logging.LogRecord) -> bool:
     return True
 
 
-async def serve(store: Store, token: str, listen: str, certfile: str | None = None,
+def bind(address: Address) -> socket.socket:
+    """The server's listening socket, made before it starts: an address that cannot be
+    resolved or bound is then one OSError, not an exception group from inside hypercorn
+    (which would also take a missing port for its own default, 8000)."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address.host, address.port,
+                                                          type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve(store: Store, token: str, sock: socket.socket, certfile: str | None = None,
                 keyfile: str | None = None, task_status=trio.TASK_STATUS_IGNORED,
                 admin_token: str | None = None, limits: Limits = Limits()) -> None:
-    """Serve the mirror until cancelled."""
+    """Serve the mirror on ``sock`` (from ``bind``, which hypercorn then owns) until
+    cancelled."""
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
     config = Config()
-    config.bind = [listen]
+    config.bind = [f"fd://{sock.detach()}"]
     config.certfile, config.keyfile = certfile, keyfile
     config.accesslog = None
     config.errorlog = log

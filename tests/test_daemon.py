@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -212,6 +213,42 @@ def test_a_bad_config_is_refused_with_key_and_line(tmp_path, body, message):
     assert res.returncode == 2
     assert res.stderr.startswith(f"mountfsd: {config}")
     assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def one_line_failure(*args: str) -> str:
+    """Run mountfsd, which must fail with status 2 and one line on stderr; that line."""
+    res = subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    return res.stderr.strip()
+
+
+def test_a_metrics_address_that_cannot_be_used_is_one_line(tmp_path):
+    """--check refuses what can never work; a start refuses what cannot work on this host
+    now (a port in use, a name that does not resolve), naming the key: no traceback for
+    systemd to restart into."""
+    config = tmp_path / "d.toml"
+
+    def metrics_at(address: str) -> str:
+        config.write_text(f'[daemon]\nstate_dir = "{tmp_path}"\nmetrics_listen = "{address}"\n'
+                          f'[[filesystem]]\nname = "x"\nmountpoint = "{tmp_path}"\n')
+        return str(config)
+    for address, message in (("127.0.0.1:99999", "port 99999 is out of range 1-65535"),
+                             ("127.0.0.1:0", "port 0 is out of range"),
+                             ("localhost", "expected HOST:PORT")):
+        err = one_line_failure("--check", "--config", metrics_at(address))
+        assert err.startswith(f"mountfsd: {config}:3: daemon.metrics_listen: {message}"), err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = one_line_failure("--config", metrics_at(f"127.0.0.1:{port}"))
+    assert err == (f"mountfsd: {config}: daemon.metrics_listen: cannot listen on "
+                   f"127.0.0.1:{port}: Address already in use; choose a free port or an "
+                   f"address of this host"), err
+    err = one_line_failure("--config", metrics_at("nosuchhost.invalid:9812"))
+    assert "daemon.metrics_listen: cannot listen on nosuchhost.invalid:9812: " in err, err
 
 
 def test_check_is_critical_for_a_mirror_never_replicated(mounted, tmp_path):

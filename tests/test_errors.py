@@ -14,7 +14,7 @@ from pathlib import Path
 import blake3
 import lmdb
 import pytest
-from conftest import cli, fill_disk, fsck_clean, tmpfs_disk
+from conftest import cli, fill_disk, free_port, fsck_clean, tmpfs_disk
 
 from mountfs import schema as S
 
@@ -315,3 +315,31 @@ def test_fsck_reports_a_wrong_reference_count_with_exit_1(make_mount):
     res = cli("mountfs", "fsck", "-q", m.store, check=False)
     assert res.returncode == 1
     assert "reference count 6, but 1 chunk-map version(s)" in res.stdout
+
+
+def test_a_truncated_store_is_one_line_everywhere_never_a_bus_error(make_mount, tmp_path):
+    """LMDB maps the data file: a page read past its end is SIGBUS (exit 135, no word). Every
+    open of a store checks the file's size against LMDB's meta first."""
+    m = make_mount()
+    (m.mnt / "f").write_bytes(os.urandom(3 << 20))
+    mirror = tmp_path / "mirror"
+    cli("snapctl", "-m", m.mnt, "replicate", "--to", f"file://{mirror}")
+    os.truncate(mirror / "data.mdb", 100_000)
+    token = tmp_path / "token"
+    token.write_text("a-token-only-its-owner-reads-0123")
+    token.chmod(0o600)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    for args, code in (
+            (("mountfs", "fsck", mirror), 2),
+            (("mountfs", "mount", mirror, mnt), 1),
+            (("mountfs", "mount", "--read-only", mirror, mnt), 1),
+            (("snapctl", "-m", m.mnt, "replicate", "--to", f"file://{mirror}"), 1),
+            (("snapctl", "-m", m.mnt, "verify", "--mirror", f"file://{mirror}"), 2),
+            (("mountfs", "serve-mirror", mirror, "--listen", f"127.0.0.1:{free_port()}",
+              "--token-file", token), 1)):
+        err = fails_clearly(*args, code=code, contains=f"{mirror}/data.mdb is truncated: "
+                                                       f"100,000 bytes but LMDB's last page")
+        assert "restore it from" in err, err
+    assert not os.path.ismount(mnt)
+    assert m.snapctl("list").stdout.count("repl-") == 1      # the refused runs left nothing

@@ -516,6 +516,38 @@ def test_plain_http_on_a_network_address_warns(tmp_path):
     assert "WARNING: serving on 192.0.2.1:9 without TLS" in res.stderr
 
 
+def test_a_listen_address_that_cannot_be_used_is_one_line(tmp_path):
+    """Not an exception group from inside the server, and never the server's own default
+    port for an address without one; the mirror store is not created for nothing."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+
+    def serve_mirror(listen: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cmdline.mountfs", "serve-mirror",
+                               str(tmp_path / "m"), "--token-file", str(token), "--listen",
+                               listen], capture_output=True, text=True, timeout=60)
+    for listen, message in (("127.0.0.1:80000", "port 80000 is out of range 1-65535"),
+                            ("localhost", "expected HOST:PORT")):
+        res = serve_mirror(listen)
+        assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+        assert res.stderr.startswith("mountfs serve-mirror: Invalid value for '--listen': "
+                                     f"{message}"), res.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = serve_mirror(f"127.0.0.1:{port}")
+    assert res.returncode == 1, res.stderr
+    assert res.stderr == (f"mountfs: --listen: cannot listen on 127.0.0.1:{port}: Address "
+                          f"already in use; choose a free port or an address of this host\n")
+    res = serve_mirror("nosuchhost.invalid:9")       # after the warning about plain HTTP
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.splitlines()[-1].startswith(
+        "mountfs: --listen: cannot listen on nosuchhost.invalid:9: "), res.stderr
+    assert not (tmp_path / "m").exists()
+
+
 # ---- random mutations of a valid commit -----------------------------------------------------
 
 def mutations():
