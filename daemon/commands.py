@@ -152,6 +152,10 @@ def check(ctx, config_path, warning, critical):
     """Nagios-style check of every configured mirror's lag: exit 0 OK, 1 WARNING,
     2 CRITICAL, 3 UNKNOWN (the check could not run). The line names the mirrors over a
     threshold first."""
+    if critical < warning:          # as the config refuses lag_critical < lag_warning
+        click.echo(f"UNKNOWN: --critical ({critical:g} s) is shorter than --warning "
+                   f"({warning:g} s); a critical lag must be at least the warning one")
+        sys.exit(UNKNOWN)
     try:
         worst, lines = _check(ctx, config_path, warning, critical)
     except (CannotRun, StoreError) as e:

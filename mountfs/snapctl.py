@@ -72,9 +72,19 @@ class Target:
 
 
 def resolve_target(mountpoint: str | None, store: str | None) -> Target:
+    """The filesystem a command acts on. Both -m and --store must name the same one: the
+    request goes to the mount at -m, so a --store naming another would be silently ignored
+    (and a delete would hit the wrong filesystem)."""
+    if store and mountpoint:
+        info = find_mount(mountpoint)
+        if info is None or os.path.realpath(info.store) != os.path.realpath(store):
+            raise StoreError(f"-m {mountpoint} and --store {store} name different "
+                             f"filesystems; give one of them")
     if store:
         return Target(os.path.abspath(store), mountpoint)
     where = mountpoint or os.getcwd()
+    if not os.path.exists(where):
+        raise StoreError(f"{where} does not exist; -m takes the filesystem's mountpoint")
     info = find_mount(where)
     if info is None:
         raise StoreError(f"{where} is not in a mountfs filesystem; use -m MOUNTPOINT or "
@@ -249,6 +259,8 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
     from . import diff as diffmod
     from . import snapshots as snaps
     from .store import Store
+    if chunks and not (as_json or as_stat):
+        fail("--chunks lists changed chunk ranges in the --json report; add --json")
     where = target_of(ctx)
     try:
         if to_snap == "." and where.mounted:

@@ -338,6 +338,37 @@ def test_commands_take_options_where_the_docs_put_them(store, tmp_path):
     assert "Usage: snapctl diff [OPTIONS] FROM [TO]" in cli("snapctl", "diff", "--help").stdout
 
 
+def test_options_that_contradict_or_do_nothing_are_refused(store, tmp_path):
+    """A new user's slips, each one line: -m and --store naming different filesystems (the
+    request went to -m, a delete would have hit it), -m of a path that does not exist,
+    --chunks without --json (silently ignored), and a critical lag shorter than the warning
+    one (which the config refuses)."""
+    mnt, other = tmp_path / "mnt", tmp_path / "other.store"
+    mnt.mkdir()
+    cli("mountfs", "mkfs", other)
+    cli("mountfs", "mount", store, mnt)
+    try:
+        cli("snapctl", "-m", mnt, "create", "s1")
+        err = one_line_error(cli("snapctl", "-m", mnt, "--store", other, "delete", "s1",
+                                 check=False))
+        assert err == f"snapctl: -m {mnt} and --store {other} name different filesystems; " \
+            f"give one of them"
+        assert "s1" in cli("snapctl", "-m", mnt, "list").stdout          # nothing deleted
+        err = one_line_error(cli("snapctl", "-m", tmp_path / "nonexist", "list", check=False))
+        assert err == f"snapctl: {tmp_path / 'nonexist'} does not exist; -m takes the " \
+            f"filesystem's mountpoint"
+        err = one_line_error(cli("snapctl", "-m", mnt, "diff", "s1", "--chunks", check=False))
+        assert err == "snapctl: --chunks lists changed chunk ranges in the --json report; " \
+            "add --json"
+        res = cli("snapctl", "-m", mnt, "check", "--warning", "1h", "--critical", "1m",
+                  check=False)
+        assert (res.returncode, res.stdout) == (3, "UNKNOWN: --critical (60 s) is shorter "
+                                                   "than --warning (3600 s); a critical lag "
+                                                   "must be at least the warning one\n")
+    finally:
+        cli("mountfs", "umount", mnt)
+
+
 def test_version_and_help_everywhere():
     for tool in ("mountfs", "snapctl", "mountfsd"):
         res = subprocess.run([Path(sys.executable).parent / tool, "--version"],
