@@ -62,6 +62,16 @@ def refuse_mirror_inside_source(where: snapctl.Target, url: str) -> None:
                          f"(mounted at {info.mountpoint}); choose a directory outside it")
 
 
+def refuse_read_only_source(where: snapctl.Target) -> None:
+    """Before any mirror is made or touched: a run records the mirror's new base on the
+    source, which a read-only mount refuses, so the run would have sent everything and then
+    failed."""
+    if where.mountpoint and os.statvfs(where.mountpoint).f_flag & os.ST_RDONLY:
+        fail(f"{where.mountpoint} is mounted read-only: replicate records the mirror's base "
+             f"on the source; run it on the writable mount, or with --store "
+             f"{where.store} while the store is not mounted")
+
+
 def open_checked_mirror(where: snapctl.Target, url: str, token_file, ca_file,
                         create: bool = True):
     """The mirror, opened and asked for its state: a mirror that cannot be reached, refuses
@@ -132,6 +142,7 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
     twice. On a terminal, progress (bytes, rate, ETA) is shown on stderr."""
     from replicator.cycle import COMMITTING
     where = snapctl.target_of(ctx)
+    refuse_read_only_source(where)
     ours = None                           # the snapshot this run took, if any
     progress = Progress(enabled=not as_json and sys.stderr.isatty())
     try:

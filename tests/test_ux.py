@@ -157,6 +157,29 @@ def test_a_file_url_with_a_host_is_refused(mounted, tmp_path):
     assert not (tmp_path / "x").exists() and not Path("/", rest).exists()
 
 
+
+def test_replicate_from_a_read_only_mount_is_refused_before_it_makes_a_mirror(store, tmp_path):
+    """A read-only mount cannot record the mirror's base: the run had sent everything to a
+    new mirror, then failed. Refused first, in one line naming the ways that work; no
+    mirror is made."""
+    ro, mirror = tmp_path / "ro", tmp_path / "mirror"
+    ro.mkdir()
+    cli("snapctl", "--store", store, "create", "rich")
+    cli("mountfs", "mount", "--read-only", store, ro)
+    try:
+        err = one_line_error(cli("snapctl", "-m", ro, "replicate", "--snapshot", "rich",
+                                 "--to", f"file://{mirror}", check=False))
+        assert err == f"snapctl: {ro} is mounted read-only: replicate records the mirror's " \
+            f"base on the source; run it on the writable mount, or with --store {store} " \
+            f"while the store is not mounted"
+    finally:
+        cli("mountfs", "umount", ro)
+    assert not mirror.exists()
+    cli("snapctl", "--store", store, "replicate", "--snapshot", "rich", "--to",
+        f"file://{mirror}")                            # the way it names works
+    assert (mirror / "data.mdb").exists()
+
+
 # ---- 8: configured mirrors, others apart, forget-mirror -------------------------------------
 
 def test_only_configured_mirrors_count_and_forget_mirror_drops_one(mounted, tmp_path):
