@@ -37,11 +37,14 @@ class Target:
 
     def _answers(self) -> bool:
         """Whether a mount serves the store. A socket we may not use is a mount too (the
-        request itself then says so), not an offline store to open."""
+        request itself then says so), not an offline store to open; a stopped mount is
+        said at once, as every command says it."""
         try:
             control.request(self.store, {"op": "status"}, timeout=10,
                             mountpoint=self.mountpoint)
             return True
+        except control.MountStopped:
+            raise
         except control.ControlError as e:
             return str(e).startswith("permission denied")
 
