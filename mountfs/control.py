@@ -295,7 +295,7 @@ class ControlServer:
             self.ops.forget_snapshot(snap.name)
             return {"ok": True, "snapshot": snapshot_json(snap)}
         if op == "hold":
-            await engine.hold(bytes.fromhex(req["mirror"]), req["name"], req["label"])
+            await engine.hold(_uuid(req["mirror"]), req["name"], req["label"])
             return {"ok": True}
         if op == "forget_mirror":
             return {"ok": True, "dropped": await engine.forget_mirror(req["label"])}
@@ -325,6 +325,17 @@ class ControlServer:
                                 f"them), or pass --force")
 
 
+def _uuid(text: str) -> bytes:
+    """A mirror's uuid as a hold's key takes it: 16 bytes, no fewer."""
+    try:
+        uuid = bytes.fromhex(text)
+    except ValueError:
+        uuid = b""
+    if len(uuid) != 16:
+        raise BadRequest('"mirror" must be a uuid (32 hex digits)')
+    return uuid
+
+
 def _message(e: Exception) -> str:
     from .namespace import FsError
     if isinstance(e, FsError):
@@ -337,7 +348,7 @@ async def _receive(stream) -> bytes:
     import trio
     buf = b""
     with trio.move_on_after(REQUEST_TIMEOUT) as waited:
-        while b"\n" not in buf and len(buf) <= MAX_REQUEST:
+        while b"\n" not in buf and len(buf) < MAX_REQUEST:
             data = await stream.receive_some(MAX_REQUEST)
             if not data:
                 break

@@ -17,9 +17,10 @@ from mountfs import control
 
 
 def raw(m, payload: bytes) -> str:
-    """Send ``payload`` as it is on the writable mount's socket; the error of the answer."""
+    """Send ``payload`` as it is on the writable mount's socket; the error of the answer
+    (at once, not after the mount's REQUEST_TIMEOUT)."""
     with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(30)
+        s.settimeout(control.REQUEST_TIMEOUT / 2)
         s.connect(str(control.socket_path(m.store)))
         try:
             s.sendall(payload)
@@ -37,6 +38,8 @@ BAD = [
     (b'{"op": "hold", "mirror": "00", "name": "s", "label": 5}\n',
      'bad request: "label" must be a string'),
     (b'{"op": "delete"}\n', 'bad request: "name" is missing'),
+    (b'{"op": "hold", "mirror": "00", "name": "s", "label": "x"}\n',
+     'bad request: "mirror" must be a uuid (32 hex digits)'),
     (b'{"op": "delete", "name": "s", "force": "yes"}\n',
      'bad request: "force" must be true or false'),
     (b'{"op": 7}\n', 'bad request: "op" must be a string'),
