@@ -26,6 +26,27 @@ def fail(msg: str, code: int = 1):
     sys.exit(code)
 
 
+ESCAPES = {"\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def escaped(name: str) -> str:
+    """``name`` (a file or snapshot name, perhaps hostile) safe to print on a terminal, as
+    ``ls --quoting-style=escape`` shows it: a backslash is doubled, a newline is ``\\n``,
+    any other character that does not print (escape sequences, undecodable bytes) is
+    ``\\xHH`` (or ``\\uHHHH``), so that one name is one unambiguous string on one line."""
+    return "".join(c if c.isprintable() and c != "\\" else ESCAPES.get(c) or _hex(c)
+                   for c in name)
+
+
+def _hex(c: str) -> str:
+    """``\\xHH`` is a byte (ASCII, or one that was not UTF-8: surrogateescape), ``\\u``
+    and ``\\U`` a character: U+0085 and the byte 0x85 read differently."""
+    n = ord(c)
+    if 0xDC80 <= n <= 0xDCFF:
+        return f"\\x{n - 0xDC00:02x}"
+    return f"\\x{n:02x}" if n < 0x80 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+
 class OneLineUsageError(click.UsageError):
     """A usage error shown as one line naming the command, like every other error (click's
     own form is four lines: usage, a hint, a blank line, then the error)."""

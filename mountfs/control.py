@@ -12,6 +12,7 @@ object on one line; one JSON answer on one line, ``{"ok": true, ...}`` or
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 
 SOCKET_NAME = "control.sock"
 MAX_REQUEST = 1 << 16
+REQUEST_TIMEOUT = 10.0      # seconds a client has to send its request, and to take its answer
+MAX_CONNECTIONS = 64        # served at once; more are answered at once that the mount is busy
+BACKLOG = 64
+ACCEPT_RETRY = 0.1          # seconds between accepts while file descriptors run out
 
 
 RECORD_NAME = "mount.json"
@@ -108,6 +113,10 @@ class ControlError(StoreError):
     """The mount refused a request or could not be reached."""
 
 
+class MountStopped(ControlError):
+    """The mount process, or its writer, is stopped: it answers nothing until resumed."""
+
+
 class SnapshotInUse(ControlError):
     """A snapshot to delete has files or directories open (its reply says ``"busy"``)."""
 
@@ -117,7 +126,57 @@ def snapshot_json(snap) -> dict:
             "id": snap.snap_id, "uuid": snap.uuid.hex(), "written": snap.written}
 
 
+class BadRequest(ControlError):
+    """A request that is not what the protocol allows (not JSON, a field of a wrong type)."""
+
+    def __init__(self, why: str):
+        super().__init__(f"bad request: {why}")
+
+
+# The requests and their fields: every one is required, but a flag left out is false.
+REQUESTS = {
+    "status": {}, "flush": {}, "list": {},
+    "create": {"name": str},
+    "delete": {"name": str, "force": bool},
+    "hold": {"mirror": str, "name": str, "label": str},
+    "forget_mirror": {"label": str},
+    "rollback": {"name": str, "force": bool},
+    "restore": {"name": str, "path": str, "dest": str, "force": bool},
+}
+FLAGS = {"force"}
+KINDS = {str: "a string", bool: "true or false"}
+
+
+def parse_request(line: bytes) -> dict:
+    """The request on ``line``, checked against REQUESTS (what dispatch may then take as
+    given); BadRequest or an unknown op's ControlError, one line, otherwise."""
+    try:
+        req = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):      # UnicodeDecodeError is a ValueError
+        raise BadRequest("not JSON") from None
+    if not isinstance(req, dict):
+        raise BadRequest("not a JSON object")
+    if not isinstance(req.get("op"), str):
+        raise BadRequest('"op" must be a string')
+    fields = REQUESTS.get(req["op"])
+    if fields is None:
+        raise ControlError(f"unknown request {req['op']!r}")
+    for key, kind in fields.items():
+        if key not in req and key in FLAGS:
+            req[key] = False
+        elif key not in req:
+            raise BadRequest(f'"{key}" is missing')
+        elif not isinstance(req[key], kind):
+            raise BadRequest(f'"{key}" must be {KINDS[kind]}')
+    return req
+
+
 class ControlServer:
+    """Serves the control socket. Every connection is a client to distrust: it has
+    REQUEST_TIMEOUT to send its request (and to take its answer), at most MAX_CONNECTIONS
+    are served at once (more are told so at once), and a mount out of file descriptors
+    says so once in its log, not at every retry."""
+
     def __init__(self, engine, ops, mountpoint: str):
         self.engine = engine
         self.ops = ops
@@ -125,6 +184,7 @@ class ControlServer:
         self.dir = mount_dir(mountpoint, create=True)
         self.path = self.dir / SOCKET_NAME if ops.read_only else \
             socket_path(engine.store.path)
+        self.connections = 0
 
     async def serve(self, task_status) -> None:
         import trio             # here, so that snapctl's client side never loads trio
@@ -137,8 +197,7 @@ class ControlServer:
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
-        sock.listen(16)
-        listener = trio.SocketListener(sock)
+        sock.listen(BACKLOG)
         record = self.dir / RECORD_NAME
         tmp = record.with_suffix(".tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "start": process_start(os.getpid()),
@@ -147,37 +206,63 @@ class ControlServer:
         tmp.replace(record)
         task_status.started()
         try:
-            await trio.serve_listeners(self._handle, [listener])
+            async with trio.open_nursery() as nursery:
+                await self._accept(trio.SocketListener(sock), nursery)
         finally:
             self.path.unlink(missing_ok=True)
             record.unlink(missing_ok=True)
+            _remove_empty(self.dir)
+
+    async def _accept(self, listener, nursery) -> None:
+        import trio
+        starved = False
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    raise
+                if not starved:
+                    log.warning("control socket: cannot accept connections (%s); retrying "
+                                "every %s s", os.strerror(e.errno), ACCEPT_RETRY)
+                starved = True
+                await trio.sleep(ACCEPT_RETRY)
+                continue
+            if starved:
+                log.warning("control socket: accepting connections again")
+                starved = False
+            nursery.start_soon(self._serve_one, stream)
+
+    async def _serve_one(self, stream) -> None:
+        async with stream:
+            if self.connections >= MAX_CONNECTIONS:
+                await _answer(stream, {"ok": False, "error": "the mount is serving "
+                                       f"{MAX_CONNECTIONS} control connections; try again"})
+                return
+            self.connections += 1
+            try:
+                await self._handle(stream)
+            finally:
+                self.connections -= 1
 
     async def _handle(self, stream) -> None:
         import trio
         from .namespace import FsError
-        async with stream:
-            if not self._peer_allowed(stream):
-                await stream.send_all(b'{"ok": false, "error": "permission denied"}\n')
-                return
-            buf = b""
-            while not buf.endswith(b"\n") and len(buf) < MAX_REQUEST:
-                data = await stream.receive_some(MAX_REQUEST)
-                if not data:
-                    break
-                buf += data
-            try:
-                reply = await self.dispatch(json.loads(buf))
-            except (StoreError, FsError, ValueError, KeyError, TypeError) as e:
-                reply = {"ok": False, "error": _message(e)}
-                if isinstance(e, SnapshotInUse):
-                    reply["busy"] = True
-            except Exception as e:        # never let a bad request take the mount down
-                log.exception("control request failed")
-                reply = {"ok": False, "error": f"internal error: {e}"}
-            try:
-                await stream.send_all(json.dumps(reply).encode() + b"\n")
-            except trio.BrokenResourceError:
-                pass
+        if not self._peer_allowed(stream):
+            await _answer(stream, {"ok": False, "error": "permission denied"})
+            return
+        try:
+            reply = await self.dispatch(parse_request(await _receive(stream)))
+        except trio.BrokenResourceError:
+            return                      # the client went away
+        except (StoreError, FsError, ValueError) as e:
+            reply = {"ok": False, "error": _message(e)}
+            if isinstance(e, SnapshotInUse):
+                reply["busy"] = True
+        except Exception as e:        # never let a bad request take the mount down
+            log.exception("control request failed")
+            reply = {"ok": False, "error": f"internal error: {e}"}
+        await _answer(stream, reply)
 
     def _peer_allowed(self, stream) -> bool:
         creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
@@ -186,7 +271,7 @@ class ControlServer:
         return uid in (0, os.getuid())
 
     async def dispatch(self, req: dict) -> dict:
-        op = req.get("op")
+        op = req["op"]
         engine = self.engine
         if op == "status":
             return {"ok": True, "pid": os.getpid(), "mountpoint": self.mountpoint,
@@ -204,23 +289,23 @@ class ControlServer:
         if op == "create":
             return {"ok": True, "snapshot": snapshot_json(await engine.create_snapshot(req["name"]))}
         if op == "delete":
-            if not req.get("force"):
+            if not req["force"]:
                 self._refuse_if_open(engine.snapshot(req["name"]))
-            snap = await engine.delete_snapshot(req["name"], bool(req.get("force")))
+            snap = await engine.delete_snapshot(req["name"], req["force"])
             self.ops.forget_snapshot(snap.name)
             return {"ok": True, "snapshot": snapshot_json(snap)}
         if op == "hold":
-            await engine.hold(bytes.fromhex(req["mirror"]), req["name"], req["label"])
+            await engine.hold(_uuid(req["mirror"]), req["name"], req["label"])
             return {"ok": True}
         if op == "forget_mirror":
             return {"ok": True, "dropped": await engine.forget_mirror(req["label"])}
         if op == "rollback":
-            done = await engine.rollback(req["name"], bool(req.get("force")))
+            done = await engine.rollback(req["name"], req["force"])
             await self.ops.invalidate(done.inodes, done.entries)
             return {"ok": True, "changed_inodes": len(done.inodes)}
         if op == "restore":
             done = await engine.restore_path(req["name"], req["path"], req["dest"],
-                                             bool(req.get("force")))
+                                             req["force"])
             await self.ops.reap(done.orphans)
             await self.ops.invalidate([done.parent], [(done.parent, done.name)])
             return {"ok": True, **done.to_json()}
@@ -240,13 +325,59 @@ class ControlServer:
                                 f"them), or pass --force")
 
 
+def _uuid(text: str) -> bytes:
+    """A mirror's uuid as a hold's key takes it: 16 bytes, no fewer."""
+    try:
+        uuid = bytes.fromhex(text)
+    except ValueError:
+        uuid = b""
+    if len(uuid) != 16:
+        raise BadRequest('"mirror" must be a uuid (32 hex digits)')
+    return uuid
+
+
 def _message(e: Exception) -> str:
     from .namespace import FsError
     if isinstance(e, FsError):
         return os.strerror(e.errno)
-    if isinstance(e, KeyError):
-        return f"missing field {e}"
     return str(e)
+
+
+async def _receive(stream) -> bytes:
+    """The request line: at most MAX_REQUEST bytes, within REQUEST_TIMEOUT."""
+    import trio
+    buf = b""
+    with trio.move_on_after(REQUEST_TIMEOUT) as waited:
+        while b"\n" not in buf and len(buf) < MAX_REQUEST:
+            data = await stream.receive_some(MAX_REQUEST)
+            if not data:
+                break
+            buf += data
+    line = buf.partition(b"\n")[0]
+    if len(line) >= MAX_REQUEST:
+        raise ControlError("request too large")
+    if waited.cancelled_caught:
+        raise ControlError(f"no request within {REQUEST_TIMEOUT:.0f} s")
+    return line
+
+
+async def _answer(stream, reply: dict) -> None:
+    """Send ``reply``, unless the client is gone or does not take it in REQUEST_TIMEOUT."""
+    import trio
+    with trio.move_on_after(REQUEST_TIMEOUT):
+        try:
+            await stream.send_all(json.dumps(reply).encode() + b"\n")
+        except trio.BrokenResourceError:
+            pass
+
+
+def _remove_empty(d: Path) -> None:
+    """Remove a mount's runtime directory once its socket and record are gone (one per
+    mountpoint ever mounted would pile up); one another mount took meanwhile stays."""
+    try:
+        d.rmdir()
+    except OSError:
+        pass
 
 
 def _children(pid: int) -> list[int]:
@@ -265,16 +396,16 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _stopped_error(pid: int, store) -> ControlError | None:
+def _stopped_error(pid: int, store) -> MountStopped | None:
     """The error that says the mount process ``pid``, or its writer process, is stopped:
     either way nothing that changes the filesystem can be answered until it is resumed.
     None if neither is."""
     if process_stopped(pid):
-        return ControlError(f"the mount process {pid} serving {store} is stopped (Ctrl-Z or "
+        return MountStopped(f"the mount process {pid} serving {store} is stopped (Ctrl-Z or "
                             f"SIGSTOP): resume it with 'kill -CONT {pid}'")
     for child in _children(pid):
         if process_stopped(child):
-            return ControlError(f"the writer process {child} of the mount process {pid} "
+            return MountStopped(f"the writer process {child} of the mount process {pid} "
                                 f"serving {store} is stopped (SIGSTOP): resume it with "
                                 f"'kill -CONT {child}'")
     return None
@@ -294,6 +425,24 @@ def _peer_pid(s: socket.socket) -> int:
     return struct.unpack("3i", creds)[0]
 
 
+def _connect(s: socket.socket, path: Path, rec: dict | None, store, deadline: float) -> None:
+    """Connect ``s`` to ``path``. A full queue of connections (EAGAIN: the mount is
+    stopped, or swamped) is tried again for a second, then said in one line."""
+    waited_until = min(deadline, time.monotonic() + STOPPED_CHECK)
+    while True:
+        try:
+            s.connect(str(path))
+            return
+        except BlockingIOError:
+            if time.monotonic() >= waited_until:
+                break
+            time.sleep(0.05)
+    stopped = _stopped_error(rec["pid"], store) if rec else None
+    raise stopped or ControlError(f"the mount serving {store} accepts no connection (the "
+                                  f"queue of its control socket {path} is full: the mount "
+                                  f"is stopped or swamped)")
+
+
 def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0,
             mountpoint: str | None = None) -> dict:
     """Send one request to the mount at ``mountpoint`` (if given and recorded), else to the
@@ -304,7 +453,7 @@ def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0,
     s.settimeout(timeout)
     deadline = time.monotonic() + timeout
     try:
-        s.connect(str(path))
+        _connect(s, path, rec, store, deadline)
         server = _peer_pid(s)
         s.settimeout(min(timeout, STOPPED_CHECK))
         try:

@@ -67,12 +67,14 @@ class Entry:
         """Order for people: by the path the entry names first, parents before children."""
         return self.path.split("/")
 
-    def text(self) -> str:
+    def text(self, show) -> str:
+        """The report's line, each path passed through ``show`` (the command line's
+        escaping: a name may hold a newline or a terminal's escape sequence)."""
         if self.op == RENAME:
-            return f"R {self.path} -> {self.to}"
+            return f"R {show(self.path)} -> {show(self.to)}"
         if self.link is not None:
-            return f"+ {self.path} (hard link to {self.link})"
-        return f"{SYMBOL[self.op]} {self.path}"
+            return f"+ {show(self.path)} (hard link to {show(self.link)})"
+        return f"{SYMBOL[self.op]} {show(self.path)}"
 
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if v is not None}

@@ -4,8 +4,9 @@ commit touched, and refuses the commit on the first broken rule), so that the tw
 drift and a commit a mirror accepts is one fsck accepts.
 
 Numbers that arrive from outside (a commit, a request) are bounded here too: inode numbers
-stay below ``schema.MAX_INO`` (far below the mount's virtual range), chunk indexes below
-``MAX_CHUNK_INDEX``.
+stay below ``schema.MAX_INO`` (far below the mount's virtual range), chunk indexes at or
+below ``MAX_CHUNK_INDEX``, file sizes at or below ``max_file_size``: the mount refuses a
+larger file (EFBIG), so that whatever it accepts a mirror accepts too.
 """
 
 from __future__ import annotations
@@ -15,13 +16,20 @@ import stat
 from . import schema as S
 from .namespace import View
 
-MAX_CHUNK_INDEX = (1 << 40) - 1      # 2**40 chunks of at least 4 KiB: beyond any file size
+MAX_CHUNK_INDEX = (1 << 40) - 1
+MAX_OFFSET = (1 << 63) - 1           # the kernel's loff_t: no file offset reaches beyond it
 FILE_TYPES = {stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFCHR, stat.S_IFBLK,
               stat.S_IFIFO, stat.S_IFSOCK}
 
 
 def ino_in_range(ino: int) -> bool:
     return isinstance(ino, int) and 1 <= ino <= S.MAX_INO
+
+
+def max_file_size(chunk_size: int) -> int:
+    """The largest file a store with ``chunk_size`` holds: its last byte still falls in
+    chunk ``MAX_CHUNK_INDEX`` (2**60 bytes with 1 MiB chunks, 2**52 with 4 KiB ones)."""
+    return min(chunk_size * (MAX_CHUNK_INDEX + 1), MAX_OFFSET)
 
 
 def xattr_name_ok(name: bytes) -> bool:
@@ -100,6 +108,9 @@ def _content_problems(view: View, ino: int, rec: S.Inode, chunks=None) -> list[s
     longer than the chunk size (the leaves ``chunks`` names; None: every leaf)."""
     out = []
     if stat.S_ISREG(rec.mode):
+        if rec.size > max_file_size(view.chunk_size):
+            out.append(f"inode {ino} has size {rec.size}, over the store's maximum file "
+                       f"size {max_file_size(view.chunk_size)}")
         first_beyond = min(-(-rec.size // view.chunk_size), MAX_CHUNK_INDEX + 1)
         beyond = next(view.chunk_indices(ino, first_beyond), None)
         if beyond is not None:

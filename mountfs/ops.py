@@ -28,6 +28,7 @@ import trio
 from . import schema as S
 from .engine import Engine
 from .filecache import OpenFile, chunk_digest
+from .invariants import max_file_size
 from .namespace import FsError, Live, check_name, created
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.engine = engine
         self.read_only = read_only
+        self.max_size = max_file_size(engine.chunk_size)
         self.lookups: dict[int, int] = {}
         self.snap_epochs: dict[int, int] = {}       # snapshot id -> epoch, of known ones
         self.handles: dict[int, Handle] = {}
@@ -292,6 +294,8 @@ class Operations(pyfuse3.Operations):
     @guard
     async def setattr(self, inode, attr, fields, fh, ctx):
         self._writable(inode)
+        if fields.update_size and attr.st_size > self.max_size:
+            raise FsError(errno.EFBIG)
         of = self.engine.files.get(inode)
         if of is not None:
             await self.engine.files.flush(of)
@@ -607,9 +611,16 @@ class Operations(pyfuse3.Operations):
 
     @guard
     async def write(self, fh, off, buf):
+        """Past the store's maximum file size (beyond its last chunk index: no mirror
+        would take the file) a write is EFBIG, and one that crosses it is cut short, as
+        Linux does at a filesystem's limit."""
         h = self.handles[fh]
         if h.of is None:
             raise FsError(errno.EROFS)
+        if off + len(buf) > self.max_size:
+            if off >= self.max_size:
+                raise FsError(errno.EFBIG)
+            buf = buf[:self.max_size - off]
         return await self.engine.files.write(h.of, off, buf)
 
     @guard

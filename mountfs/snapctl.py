@@ -19,7 +19,8 @@ import sys
 import click
 
 from . import control
-from .clitools import CONTEXT, MOUNTPOINT, LazyGroup, fail, target_options, version_option
+from .clitools import (CONTEXT, MOUNTPOINT, LazyGroup, escaped, fail, target_options,
+                       version_option)
 from .mount import find_mount
 from .errors import StoreError
 from .units import human_bytes
@@ -38,11 +39,14 @@ class Target:
 
     def _answers(self) -> bool:
         """Whether a mount serves the store. A socket we may not use is a mount too (the
-        request itself then says so), not an offline store to open."""
+        request itself then says so), not an offline store to open; a stopped mount is
+        said at once, as every command says it."""
         try:
             control.request(self.store, {"op": "status"}, timeout=10,
                             mountpoint=self.mountpoint)
             return True
+        except control.MountStopped:
+            raise
         except control.ControlError as e:
             return str(e).startswith("permission denied")
 
@@ -152,7 +156,7 @@ def create(ctx, name):
         snap = create_snapshot(target_of(ctx), name)
     except StoreError as e:
         fail(str(e))
-    click.echo(f"created snapshot {snap['name']} (epoch {snap['epoch']})")
+    click.echo(f"created snapshot {escaped(snap['name'])} (epoch {snap['epoch']})")
 
 
 def create_snapshot(target: Target, name: str) -> dict:
@@ -197,7 +201,8 @@ def list_(ctx, as_json):
     for s in items:
         created = datetime.datetime.fromtimestamp(s["created_ns"] / 1e9).isoformat(
             sep=" ", timespec="seconds")
-        click.echo(f"{s['name']:<32} {s['epoch']:>8} {human_bytes(s['written']):>9}  {created}")
+        click.echo(f"{escaped(s['name']):<32} {s['epoch']:>8} "
+                   f"{human_bytes(s['written']):>9}  {created}")
 
 
 @main.command()
@@ -215,7 +220,7 @@ def delete(ctx, name, force):
         delete_snapshot(target_of(ctx), name, force)
     except StoreError as e:
         fail(str(e))
-    click.echo(f"deleted snapshot {name}")
+    click.echo(f"deleted snapshot {escaped(name)}")
 
 
 def delete_snapshot(where: Target, name: str, force: bool = False) -> None:
@@ -251,7 +256,10 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
     M ./path          content or attributes changed
 
     The text report is sorted by path; --json streams entries as they are found (parents
-    before children), in bounded memory however large the diff.
+    before children), in bounded memory however large the diff. The text report escapes
+    names as 'ls --quoting-style=escape' does: a backslash is \\\\, a newline \\n, a tab
+    \\t, other characters that do not print \\xHH (a byte: an escape sequence, a name
+    that is not UTF-8) or \\uHHHH (a character); --json shows names as they are.
 
     Found in time proportional to the changes: unchanged subtrees are never visited.
     Applying the report to a copy of FROM (renames and deletes first, then creates and
@@ -289,7 +297,7 @@ def diff_(ctx, from_snap, to_snap, as_json, chunks, as_stat):
                     click.echo(json.dumps(e.to_json()))
             else:
                 for e in sorted(entries, key=diffmod.Entry.sort_key):
-                    click.echo(e.text())
+                    click.echo(e.text(escaped))
     except StoreError as e:
         fail(str(e))
     finally:
@@ -387,17 +395,18 @@ def restore(ctx, name, path, dest, force):
     try:
         if path is None:
             reply = _rollback(where, name, force)
-            click.echo(f"rolled back to {name} "
+            click.echo(f"rolled back to {escaped(name)} "
                        f"({_count(reply['changed_inodes'], 'inode')} changed)")
             return
         src = where.fs_path(path)
         reply = _restore_path(where, name, src, where.dest_path(dest) if dest else src, force)
     except StoreError as e:
         fail(str(e))
-    replaced = "" if reply["replaced"] is None else f"; replaced ./{reply['dest']}" + (
+    dest = escaped(reply["dest"])
+    replaced = "" if reply["replaced"] is None else f"; replaced ./{dest}" + (
         f" ({_count(reply['replaced_entries'], 'entry', 'entries')})"
         if reply["replaced"] == "directory" else "")
-    click.echo(f"restored ./{src} from {name} to ./{reply['dest']} "
+    click.echo(f"restored ./{escaped(src)} from {escaped(name)} to ./{dest} "
                f"({_count(reply['copied'], 'inode')}){replaced}")
 
 

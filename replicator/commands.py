@@ -16,7 +16,7 @@ import sys
 import click
 
 from mountfs import snapctl
-from mountfs.clitools import CONTEXT, DURATION, LISTEN, SIZE, fail, target_options
+from mountfs.clitools import CONTEXT, DURATION, LISTEN, SIZE, escaped, fail, target_options
 from mountfs.errors import StoreError
 
 TOKEN_HELP = "Bearer token for an http(s) mirror (else $MOUNTFS_TOKEN)."
@@ -379,14 +379,15 @@ def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_fil
         fail(str(e))
     except OSError as e:
         fail(f"restore from the mirror failed: {_message(e)}")
-    click.echo(f"restored ./{rel} of {name} from {url} to ./{result.dest}: "
+    click.echo(f"restored ./{escaped(rel)} of {escaped(name)} from {url} to "
+               f"./{escaped(result.dest)}: "
                f"{result.entries} entries, "
                f"{result.bytes_fetched} bytes fetched, {result.bytes_local} bytes found "
                f"locally")
     if result.left_out:
         click.echo(f"snapctl: warning: {len(result.left_out)} special files left out or "
-                   f"stripped of set-id bits (e.g. {result.left_out[0]}): only root can "
-                   f"restore them, with --allow-special", err=True)
+                   f"stripped of set-id bits (e.g. {escaped(result.left_out[0])}): only root "
+                   f"can restore them, with --allow-special", err=True)
 
 
 restore = _with_mirror_source(snapctl.restore)

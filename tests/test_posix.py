@@ -63,6 +63,31 @@ def test_write_read_overwrite_append_and_eof(mounted):
         os.close(fd)
 
 
+def test_no_file_grows_past_the_stores_maximum_size(make_mount):
+    """A file ends at the store's last chunk index (2**52 bytes with 4 KiB chunks): a write
+    or truncation past it is EFBIG, one that crosses it is cut short, and a file at the
+    limit stays valid (fsck at cleanup; a mirror would refuse one chunk further)."""
+    m = make_mount(chunk_size="4K")
+    limit = 1 << 52
+    f = m.mnt / "huge"
+    fd = os.open(f, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        assert os.pwrite(fd, b"x", limit - 1) == 1
+        raises_errno(errno.EFBIG, os.pwrite, fd, b"y", limit)
+        raises_errno(errno.EFBIG, os.pwrite, fd, b"y", 1 << 62)
+        assert os.pwrite(fd, b"ab", limit - 2) == 2
+        assert os.pwrite(fd, b"cde", limit - 2) == 2             # cut at the limit
+        assert os.pread(fd, 4, limit - 3) == b"\0cd"
+        raises_errno(errno.EFBIG, os.ftruncate, fd, limit + 1)
+    finally:
+        os.close(fd)
+    assert f.stat().st_size == limit
+    raises_errno(errno.EFBIG, os.truncate, f, limit + 1)
+    raises_errno(errno.EFBIG, os.truncate, f, 1 << 62)
+    os.truncate(f, limit)
+    assert f.stat().st_size == limit
+
+
 TRUNCATE_SIZES = [0, 1, 4095, 4096, 4097, 65535, 65536, 65537, 3 * 65536 + 7]
 
 

@@ -539,3 +539,28 @@ def test_snapshots_persist_offline_use_and_the_store_lock(make_mount):
     assert (m.mnt / ".snapshot/s1/f").read_text() == "one"
     assert (m.mnt / ".snapshot/s2/f").read_text() == "two"
     assert (m.mnt / "f").read_text() == "two"
+
+
+def test_text_reports_escape_names_that_do_not_print(mounted):
+    """A name with a newline is one line of 'snapctl diff', an escape sequence reaches no
+    terminal, a byte that is not UTF-8 and a backslash stay unambiguous (as 'ls
+    --quoting-style=escape' shows them); --json keeps the names as they are."""
+    m = mounted
+    m.snapctl("create", "a\\b")
+    hostile = {"x\n+ fake": "x\\n+ fake", "\x1b]0;PWNED\x07": "\\x1b]0;PWNED\\x07",
+               "back\\nslash": "back\\\\nslash", "t\tab": "t\\tab", "caf\u00e9": "caf\u00e9"}
+    for name in hostile:
+        (m.mnt / name).write_text("x")
+    os.mkdir(os.fsencode(m.mnt) + b"/\xff\x85")
+    out = m.snapctl("diff", "a\\b").stdout
+    assert sorted(out.splitlines()) == sorted(
+        ["M ."] + [f"+ ./{shown}" for shown in hostile.values()] + ["+ ./\\xff\\x85"])
+    assert {json.loads(line)["path"] for line in
+            m.snapctl("diff", "a\\b", "--json").stdout.splitlines()} >= \
+        {f"./{name}" for name in hostile}
+    assert m.snapctl("list").stdout.splitlines()[1].startswith("a\\\\b ")
+    res = m.snapctl("restore", "a\\b", "x\n+ fake", "--to", "\x1b[2J", check=False)
+    assert res.returncode == 1 and "\x1b" not in res.stdout + res.stderr
+    m.snapctl("create", "b")
+    res = m.snapctl("restore", "b", "x\n+ fake", "--to", "\x1b[2J")
+    assert res.stdout == "restored ./x\\n+ fake from b to ./\\x1b[2J (1 inode)\n"
