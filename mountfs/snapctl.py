@@ -87,9 +87,9 @@ def resolve_target(mountpoint: str | None, store: str | None) -> Target:
     if store:
         return Target(os.path.abspath(store), mountpoint)
     where = mountpoint or os.getcwd()
-    if not os.path.exists(where):
+    info = find_mount(where)            # first: a stat of a stopped mount would hang
+    if info is None and not os.path.exists(where):
         raise StoreError(f"{where} does not exist; -m takes the filesystem's mountpoint")
-    info = find_mount(where)
     if info is None:
         raise StoreError(f"{where} is not in a mountfs filesystem; use -m MOUNTPOINT or "
                          f"--store STORE")
