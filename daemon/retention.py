@@ -10,6 +10,12 @@ snapshot backwards (one hour keeping all, then 24 one-hour buckets, then 7 one-d
 and keeps the K oldest of each bucket (K = 1 unless ``keep=``); older than the last bucket
 goes.
 
+A policy must keep something: counts and durations are positive, a grid's ``keep=`` too, and
+an empty policy is refused (``keep_last = 1`` keeps only the newest, if that is what is
+meant). A grid has at most ``MAX_GRID_BUCKETS`` buckets in all, each at most ``MAX_SPAN``
+wide: a real grid (``24x1h | 30x1d | 12x30d``) has tens, and a limit keeps a typo like
+``100000000000x1s`` a config error rather than a prune that never finishes.
+
 A snapshot is kept if any rule keeps it, and every kept one says which rule keeps it.
 Snapshots the daemon did not make are never pruned unless ``prune_user = true``; a mirror's
 replication base and the newest snapshot are never pruned.
@@ -25,6 +31,9 @@ PERIODS = ("hourly", "daily", "weekly", "monthly", "yearly")
 GRID_ITEM = re.compile(r"^\s*(\d+)\s*x\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*"
                        r"(?:\(\s*keep\s*=\s*(all|\d+)\s*\))?\s*$")
 SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+MAX_GRID_BUCKETS = 5000
+MAX_SPAN = 100 * 366 * 86400       # a bucket or ``within``: at most a century
+NONE_KEPT = "a policy must keep something (keep_last = 1 keeps only the newest)"
 
 
 class PolicyError(ValueError):
@@ -64,8 +73,9 @@ def parse_policy(raw) -> Policy:
     policy = Policy()
     for key, value in raw.items():
         if key in PERIODS or key == "keep_last":
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise PolicyError(f"{key} must be a count (a whole number >= 0)")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PolicyError(f"{key} must be a count (a whole number >= 1; leave "
+                                  f"{key} out to keep none by it)")
             if key == "keep_last":
                 policy.keep_last = value
             else:
@@ -81,21 +91,36 @@ def parse_policy(raw) -> Policy:
         else:
             raise PolicyError(f"unknown rule {key!r} (known: {', '.join(PERIODS)}, keep_last, "
                               f"within, grid, prune_user)")
+    if not (policy.counts or policy.keep_last or policy.within or policy.grid):
+        raise PolicyError(f"no rule keeps anything: {NONE_KEPT}")
     return policy
 
 
 def parse_grid(text) -> list[GridBucket]:
     if not isinstance(text, str) or not text.strip():
         raise PolicyError("grid must be a string like '1x1h(keep=all) | 24x1h | 7x1d'")
-    out = []
-    for part in text.split("|"):
-        m = GRID_ITEM.match(part)
-        if not m:
-            raise PolicyError(f"bad grid item {part.strip()!r} (expected e.g. 24x1h or "
-                              f"1x1h(keep=all))")
-        keep = None if m.group(4) == "all" else int(m.group(4) or 1)
-        out.append(GridBucket(int(m.group(1)), float(m.group(2)) * SECONDS[m.group(3)], keep))
+    out = [_grid_item(part) for part in text.split("|")]
+    if sum(b.repeat for b in out) > MAX_GRID_BUCKETS:
+        raise PolicyError(f"grid has {sum(b.repeat for b in out)} buckets; at most "
+                          f"{MAX_GRID_BUCKETS} in all (e.g. 24x1h | 30x1d | 12x30d has 66)")
     return out
+
+
+def _grid_item(part: str) -> GridBucket:
+    m = GRID_ITEM.match(part)
+    if not m:
+        raise PolicyError(f"bad grid item {part.strip()!r} (expected e.g. 24x1h or "
+                          f"1x1h(keep=all))")
+    item = GridBucket(int(m.group(1)), float(m.group(2)) * SECONDS[m.group(3)],
+                      None if m.group(4) == "all" else int(m.group(4) or 1))
+    if item.repeat < 1 or item.keep == 0:
+        raise PolicyError(f"grid item {part.strip()!r} keeps nothing: {NONE_KEPT}")
+    if item.repeat > MAX_GRID_BUCKETS:
+        raise PolicyError(f"grid item {part.strip()!r} has {item.repeat} buckets; at most "
+                          f"{MAX_GRID_BUCKETS} in all")
+    if not 1 <= item.seconds <= MAX_SPAN:
+        raise PolicyError(f"grid item {part.strip()!r}: a bucket must be 1s to 36600d wide")
+    return item
 
 
 def _duration(value) -> float:
@@ -103,7 +128,10 @@ def _duration(value) -> float:
         else None
     if not m:
         raise PolicyError(f"within must be a duration like '2d' (got {value!r})")
-    return float(m.group(1)) * SECONDS[m.group(2)]
+    seconds = float(m.group(1)) * SECONDS[m.group(2)]
+    if not 1 <= seconds <= MAX_SPAN:
+        raise PolicyError(f"within must be 1s to 36600d (got {value!r})")
+    return seconds
 
 
 def decide(policy: Policy, snapshots: list[tuple[str, int]], now_ns: int,
@@ -152,17 +180,29 @@ def _keep_periods(newest_first: list[Decision], period: str, count: int) -> None
 
 
 def _keep_grid(newest_first: list[Decision], grid: list[GridBucket]) -> None:
+    """Buckets laid out back from the newest snapshot; each snapshot finds its own bucket
+    by arithmetic, so the work and memory follow the snapshots, not the buckets."""
     if not newest_first:
         return
-    end = newest_first[0].created_ns
-    edges = []                     # (start_ns, end_ns, keep, label), newest bucket first
-    for item in grid:
-        for _ in range(item.repeat):
-            start = end - int(item.seconds * 1e9)
-            edges.append((start, end, item.keep, f"{item.seconds:g}s"))
-            end = start
-    for n, (start, stop, keep, label) in enumerate(edges):
-        inside = [d for d in newest_first if start < d.created_ns <= stop]
+    buckets: dict[int, tuple[GridBucket, list[Decision]]] = {}
+    for d in newest_first:
+        found = _grid_bucket(grid, newest_first[0].created_ns - d.created_ns)
+        if found is not None:
+            buckets.setdefault(found[0], (found[1], []))[1].append(d)
+    for n, (item, inside) in buckets.items():
         oldest_first = sorted(inside, key=lambda d: d.created_ns)
-        for d in oldest_first if keep is None else oldest_first[:keep]:
-            d.reasons.append(f"grid bucket {n + 1} ({label})")
+        for d in oldest_first if item.keep is None else oldest_first[:item.keep]:
+            d.reasons.append(f"grid bucket {n + 1} ({item.seconds:g}s)")
+
+
+def _grid_bucket(grid: list[GridBucket], age_ns: int) -> tuple[int, GridBucket] | None:
+    """The bucket (index, item) holding a snapshot ``age_ns`` older than the newest: bucket
+    k of an item spans ages [k * width, (k + 1) * width). None: older than the grid."""
+    first = 0
+    for item in grid:
+        width = int(item.seconds * 1e9)
+        if age_ns < item.repeat * width:
+            return first + age_ns // width, item
+        age_ns -= item.repeat * width
+        first += item.repeat
+    return None

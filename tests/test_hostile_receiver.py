@@ -430,19 +430,20 @@ def test_a_mirror_is_pruned_on_its_own_host(tmp_path):
         return subprocess.run([sys.executable, "-m", "cmdline.snapctl", "prune", "--store",
                                str(tmp_path / "m"), *args], capture_output=True, text=True,
                               timeout=60)
-    res = prune("--retention", "keep_last = 0")
+    res = prune("--retention", "keep_last = 1")
     assert res.stdout.splitlines() == [f"prune {own[0]}",
                                        "keep  mine: made by a user (prune_user is off)",
                                        "keep  auto-manual: made by a user (prune_user is off)",
-                                       f"prune {own[1]}", f"keep  {own[2]}: newest"]
+                                       f"prune {own[1]}", f"keep  {own[2]}: newest, keep_last 1"]
     store = Store.open(tmp_path / "m", readonly=True, lock=False)
     with store.read() as txn:
         assert [s.name for s in snaps.list_all(txn, store.db)] == ["mine", "auto-manual",
                                                                    own[2]]
     store.close()
-    res = prune("--retention", "keep_last = -1")
-    assert res.returncode == 2 and "keep_last must be a count" in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
+    for bad in ("keep_last = -1", "keep_last = 0"):
+        res = prune("--retention", bad)
+        assert res.returncode == 2 and "keep_last must be a count" in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_prune_store_keeps_a_replication_base_and_prunes_the_rest(tmp_path):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,11 +43,12 @@ def test_a_grid_keeps_the_oldest_of_each_bucket():
 
 def test_users_snapshots_bases_and_the_newest_stay():
     snaps = [("manual", ns(days=30)), ("auto-a", ns(days=20)), ("auto-b", ns(days=1))]
-    got = kept({"keep_last": 0}, snaps, own=lambda n: n.startswith("auto-"),
+    got = kept({"keep_last": 1}, snaps, own=lambda n: n.startswith("auto-"),
                protected={"auto-a": "replication base of http://x"})
     assert got == {"manual": ["made by a user (prune_user is off)"],
-                   "auto-a": ["replication base of http://x"], "auto-b": ["newest"]}
-    got = kept({"keep_last": 0, "prune_user": True}, snaps, own=lambda n: n.startswith("auto-"))
+                   "auto-a": ["replication base of http://x"],
+                   "auto-b": ["newest", "keep_last 1"]}
+    got = kept({"keep_last": 1, "prune_user": True}, snaps, own=lambda n: n.startswith("auto-"))
     assert "manual" not in got
 
 
@@ -52,6 +56,18 @@ def test_users_snapshots_bases_and_the_newest_stay():
     ({"daily": -1}, "daily must be a count"), ({"daly": 3}, "unknown rule 'daly'"),
     ({"within": "soon"}, "within must be a duration"), ({"prune_user": "yes"}, "true or false"),
     ({"grid": "24h"}, "bad grid item"),
+    ({}, "no rule keeps anything: a policy must keep something .keep_last = 1"),
+    ({"prune_user": True}, "no rule keeps anything"),
+    ({"hourly": 0}, "hourly must be a count .a whole number >= 1"),
+    ({"keep_last": 0}, "keep_last must be a count"),
+    ({"within": "0s"}, "within must be 1s to 36600d"),
+    ({"within": "9" * 400 + "d"}, "within must be 1s to 36600d"),
+    ({"grid": "0x0s"}, "grid item '0x0s' keeps nothing"),
+    ({"grid": "1x1h(keep=0)"}, "keeps nothing"),
+    ({"grid": "1x0s"}, "a bucket must be 1s to 36600d wide"),
+    ({"grid": "1x" + "9" * 400 + "s"}, "a bucket must be 1s to 36600d wide"),
+    ({"grid": "100000000000x1s"}, "has 100000000000 buckets; at most 5000"),
+    ({"grid": "3000x1h | 3000x1d"}, "grid has 6000 buckets; at most 5000 in all"),
 ])
 def test_bad_policies_are_refused(raw, message):
     with pytest.raises(PolicyError, match=message):
@@ -62,3 +78,29 @@ def test_grid_syntax():
     g = parse_grid("1x1h(keep=all) | 24x1h | 14x1d(keep=2)")
     assert [(b.repeat, b.seconds, b.keep) for b in g] == [(1, 3600, None), (24, 3600, 1),
                                                          (14, 86400, 2)]
+
+
+def test_a_real_zrepl_grid_is_accepted():
+    assert sum(b.repeat for b in parse_grid("1x1h(keep=all) | 24x1h | 30x1d | 12x30d")) == 67
+
+
+def test_grid_buckets_are_half_open_towards_the_past():
+    """A snapshot exactly one bucket older than the newest falls in the next bucket."""
+    snaps = [("old", ns(hours=2)), ("edge", ns(hours=1)), ("new", ns())]
+    got = kept({"grid": "2x1h"}, snaps)
+    assert got == {"new": ["newest", "grid bucket 1 (3600s)"],
+                   "edge": ["grid bucket 2 (3600s)"]}
+
+
+def test_a_huge_grid_costs_memory_by_snapshots_not_buckets():
+    """A policy built past the parser's limit must still not build a list per bucket:
+    10**11 buckets under a 1 GB address-space limit, in a child process."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+            "from daemon.retention import GridBucket, Policy, decide\n"
+            "snaps = [(f's{i}', i * 10**9) for i in range(100)]\n"
+            "ds = decide(Policy(grid=[GridBucket(10**11, 1.0, 1)]), snaps, 10**12)\n"
+            "print(sum(d.keep for d in ds))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr[-500:]
+    assert res.stdout.strip() == "100"
