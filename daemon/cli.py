@@ -10,7 +10,7 @@ import click
 
 from mountfs.clitools import CONTEXT, OneLineCommand, fail, version_option
 
-from .config import Config, ConfigError, load
+from .config import Config, ConfigError, MirrorConfig, load
 
 CONFIG_DIR = "/etc/mountfs"
 
@@ -70,15 +70,29 @@ def check_paths(cfg: Config) -> None:
             raise ConfigError(f"{cfg.path}: filesystem {fs.name!r}: mountpoint "
                               f"{fs.mountpoint} does not exist or is not a directory")
         for m in fs.mirrors:
+            if m.url.startswith("http") and not m.token_file and \
+                    not os.environ.get("MOUNTFS_TOKEN"):
+                raise ConfigError(f"{cfg.path}: mirror {m.url}: token_file missing; an "
+                                  f"http(s) mirror needs the replicate token (or "
+                                  f"$MOUNTFS_TOKEN in the daemon's environment)")
             for key in ("token_file", "admin_token_file", "ca_file"):
                 path = getattr(m, key)
-                if path is not None and not os.access(path, os.R_OK):
-                    raise ConfigError(f"{cfg.path}: mirror {m.url}: {key} {path} does not "
-                                      f"exist or cannot be read")
-                if key != "ca_file" and path is not None and os.stat(path).st_mode & 0o077:
-                    click.echo(f"warning: {cfg.path}: mirror {m.url}: {key} {path} is "
-                               f"readable by group or others; run 'chmod 600 {path}'",
-                               err=True)
+                if path is not None:
+                    check_file(cfg, m, key, path)
+
+
+def check_file(cfg: Config, m: MirrorConfig, key: str, path: str) -> None:
+    """A token or CA file the daemon can read: a regular file (a directory passes
+    os.access), and a token readable by its owner only (a warning)."""
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{cfg.path}: mirror {m.url}: {key} {path} does not exist or "
+                          f"cannot be read")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{cfg.path}: mirror {m.url}: {key} {path} is not a regular "
+                          f"file; name the file itself")
+    if key != "ca_file" and os.stat(path).st_mode & 0o077:
+        click.echo(f"warning: {cfg.path}: mirror {m.url}: {key} {path} is readable by "
+                   f"group or others; run 'chmod 600 {path}'", err=True)
 
 
 if __name__ == "__main__":

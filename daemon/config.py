@@ -2,12 +2,12 @@
 
 ```toml
 [daemon]
-state_dir = "/run/mountfs"          # status files read by 'snapctl status'
+state_dir = "/run/mountfs"          # status files read by 'snapctl status' (an absolute path)
 metrics_listen = "127.0.0.1:9811"   # Prometheus endpoint; off when absent
 spark_master = "local[*]"           # default: embedded
 
 [[filesystem]]
-name = "data"
+name = "data"                       # letters, digits, '-', '_', '.'; not starting with '.'
 mountpoint = "/mnt/data"
 min_interval = "10s"                # never snapshot more often
 max_interval = "15m"                # snapshot at least this often while data is buffered
@@ -19,29 +19,46 @@ stall_timeout = "5m"                # cancel a transfer that makes no progress t
 spark_threshold = "16M"             # sent without starting Spark (0: always Spark)
 
 [[filesystem.mirror]]
-url = "http://backup:8765"
-token_file = "/etc/mountfs/token"
+url = "http://backup:8765"          # or file:///srv/mirror (a directory, not /)
+token_file = "/etc/mountfs/token"   # required by an http(s) mirror (or $MOUNTFS_TOKEN)
 ca_file = "/etc/mountfs/mirror-ca.pem"   # https: trust only this CA (a self-signed receiver)
 retention = { daily = 30, monthly = 12 }
 ```
 
 Durations take ms, s, m, h, d, w (or a number of seconds), sizes K, M, G (or a number of
-bytes): the same parsers as the command lines (``mountfs.units``).
+bytes): the same parsers as the command lines (``mountfs.units``). A duration is more than
+0 and at most 366 days: 0 would spin, and ``inf`` or ``1e308`` is never what was meant.
 
 Every error names the key and its line: ``config.toml:12: filesystem[0].min_interval: ...``.
+The file must be a regular file (a FIFO would block the daemon forever) of at most 1 MiB,
+in UTF-8.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import SplitResult, urlsplit
 
 from mountfs.snapshots import DAEMON_PREFIX
 from mountfs.units import Address, parse_duration, parse_listen, parse_size
 
 from .retention import Policy, PolicyError, parse_policy
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_DURATION = 366 * 86400
+DURATIONS = {"min_interval": "10s", "max_interval": "15m", "lag_warning": "5m",
+             "lag_critical": "1h", "stall_timeout": "5m"}     # the defaults, as written
+NAME = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,99}$")
+HOST = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_\-]*[A-Za-z0-9_])?"
+                  r"(\.[A-Za-z0-9_]([A-Za-z0-9_\-]*[A-Za-z0-9_])?)*\.?$")
+URL_FORMS = "expected file:///path or http(s)://host:port"
 
 
 class ConfigError(Exception):
@@ -87,15 +104,84 @@ class Config:
 
 def load(path: str | Path) -> Config:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    text = _decode(path, _read(path))
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
     return _Checker(path, text).config(raw)
+
+
+def _read(path: Path) -> bytes:
+    """The file's bytes. Opened without blocking and checked on the open descriptor (no
+    race with a rename): a FIFO or a device would hang the daemon or never end; read at
+    most one byte past the cap, so a huge file costs no memory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{path}: not a regular file; name the config file itself")
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB; is it the "
+                          f"config?")
+    return data
+
+
+def _decode(path: Path, data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 (byte {data[e.start]:#04x} at offset "
+                          f"{e.start}); save the file as UTF-8") from None
+
+
+def _url_problem(url: str) -> str | None:
+    """What is wrong with a mirror URL, or None: checked here so that the daemon never
+    meets a URL it cannot use (a ValueError from deep inside a cycle)."""
+    if not re.match(r"^(file|https?)://", url):
+        return URL_FORMS
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        return f"{e} in {url!r}; {URL_FORMS}"
+    if parts.query or parts.fragment:
+        return "no ?query or #fragment allowed"
+    if parts.scheme == "file":
+        return _file_url_problem(parts)
+    if not parts.hostname or not _host_ok(parts.hostname):
+        return f"no valid host in {url!r}; {URL_FORMS}"
+    if parts.username is not None or parts.password is not None:
+        return "no user@ in the URL: the token goes in token_file"
+    if port == 0:
+        return "port 0 is out of range 1-65535"
+    return None
+
+
+def _file_url_problem(parts: SplitResult) -> str | None:
+    if parts.netloc not in ("", "localhost"):
+        return (f"names the host {parts.netloc!r}: write file:///{parts.netloc}{parts.path} "
+                f"(three slashes)")
+    if not parts.path.startswith("/") or os.path.normpath(parts.path) == "/":
+        return "name a directory of the mirror's own, like file:///srv/mirror (not /)"
+    return None
+
+
+def _host_ok(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return bool(HOST.match(host)) and len(host) <= 253
 
 
 class _Checker:
@@ -119,8 +205,7 @@ class _Checker:
         self.only(raw, "", {"daemon", "filesystem"})
         d = raw.get("daemon", {})
         self.only(d, "daemon.", {"state_dir", "metrics_listen", "spark_master"})
-        cfg = Config(str(self.path),
-                     state_dir=self.string(d, "daemon.", "state_dir", "/run/mountfs"),
+        cfg = Config(str(self.path), state_dir=self.state_dir(d),
                      metrics_listen=self.listen(d, "daemon.", "metrics_listen"),
                      spark_master=self.string(d, "daemon.", "spark_master", None))
         filesystems = raw.get("filesystem", [])
@@ -138,20 +223,14 @@ class _Checker:
                                "snapshot_prefix", "retention", "lag_warning", "lag_critical",
                                "stall_timeout", "spark_threshold", "mirror"})
         fs = FilesystemConfig(
-            name=self.string(raw, where, "name", required=True),
+            name=self.name(raw, where),
             mountpoint=self.string(raw, where, "mountpoint", required=True),
-            min_interval=self.duration(raw, where, "min_interval", 10.0),
-            max_interval=self.duration(raw, where, "max_interval", 900.0),
             snapshot_prefix=self.string(raw, where, "snapshot_prefix", DAEMON_PREFIX),
             retention=self.policy(raw, where),
-            lag_warning=self.duration(raw, where, "lag_warning", 300.0),
-            lag_critical=self.duration(raw, where, "lag_critical", 3600.0),
-            stall_timeout=self.duration(raw, where, "stall_timeout", 300.0),
-            spark_threshold=self.size(raw, where, "spark_threshold", 16 << 20))
-        if fs.max_interval < fs.min_interval:
-            self.fail(where, "max_interval", "must not be shorter than min_interval")
-        if fs.lag_critical < fs.lag_warning:
-            self.fail(where, "lag_critical", "must not be shorter than lag_warning")
+            spark_threshold=self.size(raw, where, "spark_threshold", 16 << 20),
+            **{key: self.duration(raw, where, key) for key in DURATIONS})
+        self.ordered(raw, where, fs, "min_interval", "max_interval")
+        self.ordered(raw, where, fs, "lag_warning", "lag_critical")
         if not re.match(r"^[\w.\-]+$", fs.snapshot_prefix):
             self.fail(where, "snapshot_prefix", "letters, digits, '.', '_' and '-' only")
         mirrors = raw.get("mirror", [])
@@ -163,8 +242,8 @@ class _Checker:
     def mirror(self, raw: dict, where: str) -> MirrorConfig:
         self.only(raw, where, {"url", "token_file", "ca_file", "retention", "admin_token_file"})
         url = self.string(raw, where, "url", required=True)
-        if not re.match(r"^(file:///|https?://)", url):
-            self.fail(where, "url", "expected file:///path or http(s)://host:port")
+        if problem := _url_problem(url):
+            self.fail(where, "url", problem)
         return MirrorConfig(url, self.string(raw, where, "token_file", None),
                             self.string(raw, where, "ca_file", None), self.policy(raw, where),
                             self.string(raw, where, "admin_token_file", None))
@@ -193,11 +272,43 @@ class _Checker:
         except ValueError as e:
             self.fail(where, key, str(e))
 
-    def duration(self, raw, where, key, default: float) -> float:
+    def duration(self, raw, where, key) -> float:
         try:
-            return parse_duration(raw.get(key, default))
+            seconds = parse_duration(raw.get(key, DURATIONS[key]))
         except ValueError as e:
             self.fail(where, key, str(e))
+        if not (math.isfinite(seconds) and 0 < seconds <= MAX_DURATION):
+            self.fail(where, key, f"must be more than 0 and at most 366d (got {raw[key]!r})")
+        return seconds
+
+    def ordered(self, raw, where, fs: FilesystemConfig, short: str, long: str) -> None:
+        """``long`` must not be shorter than ``short``: blamed on ``long`` if the user wrote
+        it, else on ``short``, naming ``long``'s default (the user never wrote it)."""
+        if getattr(fs, long) >= getattr(fs, short):
+            return
+        if long in raw:
+            self.fail(where, long, f"must not be shorter than {short}")
+        self.fail(where, short, f"must not be longer than {long} ({DURATIONS[long]} by "
+                                f"default; set {long} too)")
+
+    def name(self, raw, where) -> str:
+        """The name makes the status file STATE_DIR/NAME.json: never a path of its own."""
+        name = self.string(raw, where, "name", required=True)
+        if not NAME.match(name):
+            self.fail(where, "name", "use letters, digits, '.', '_' and '-' (not starting "
+                                     "with '.'), at most 100: it names the status file")
+        return name
+
+    def state_dir(self, raw) -> str:
+        """Absolute (the daemon's working directory is no place for it), and a directory
+        or to be made under one: a file there would fail every status write."""
+        path = self.string(raw, "daemon.", "state_dir", "/run/mountfs")
+        if not os.path.isabs(path):
+            self.fail("daemon.", "state_dir", f"must be an absolute path (got {path!r})")
+        existing = next(p for p in (Path(path), *Path(path).parents) if os.path.exists(p))
+        if not os.path.isdir(existing):
+            self.fail("daemon.", "state_dir", f"{existing} is not a directory")
+        return path
 
     def listen(self, raw, where, key) -> Address | None:
         if key not in raw:

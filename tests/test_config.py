@@ -1,0 +1,166 @@
+"""The daemon's config refuses what would hurt later (a prune that deletes everything or
+never ends, a crash in the daemon, a status file outside state_dir) with one line naming
+the key and its line; loading survives hostile files; one filesystem's failure never ends
+the daemon."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from daemon.config import ConfigError, load
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def body(fs: str = "", mirror: str | None = None, daemon: str = "") -> str:
+    """A config with the daemon's keys at line 2, the filesystem's name at line 4, its
+    other keys from line 6 and the mirror's from line 8, so that lines can be asserted."""
+    text = f'[daemon]\n{daemon}\n[[filesystem]]\nname = "x"\nmountpoint = "/m"\n{fs}\n'
+    if mirror is not None:
+        text += f"[[filesystem.mirror]]\n{mirror}\n"
+    return text
+
+
+def refusal(tmp_path: Path, text: str | bytes) -> str:
+    path = tmp_path / "c.toml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError) as e:
+        load(path)
+    message = str(e.value)
+    assert "\n" not in message
+    return message.removeprefix(f"{path}:")
+
+
+@pytest.mark.parametrize("fs, message", [
+    ('retention = { grid = "100000000000x1s" }',
+     "6: filesystem[0].retention: grid item '100000000000x1s' has 100000000000 buckets; "
+     "at most 5000"),
+    ("retention = {}", "6: filesystem[0].retention: no rule keeps anything"),
+    ("retention = { hourly = 0 }", "6: filesystem[0].retention: hourly must be a count"),
+    ('retention = { grid = "0x0s" }', "6: filesystem[0].retention: grid item '0x0s' keeps"),
+    ('retention = { grid = "1x1h(keep=0)" }', "6: filesystem[0].retention: grid item"),
+    ("stall_timeout = 0", "6: filesystem[0].stall_timeout: must be more than 0 and at most "
+     "366d (got 0)"),
+    ('lag_critical = "400d"', "6: filesystem[0].lag_critical: must be more than 0"),
+    ("max_interval = 1e308", "6: filesystem[0].max_interval: must be more than 0"),
+    ("min_interval = inf", "6: filesystem[0].min_interval: must be more than 0"),
+    ('min_interval = "1h"', "6: filesystem[0].min_interval: must not be longer than "
+     "max_interval (15m by default; set max_interval too)"),
+    ('lag_warning = "2h"', "6: filesystem[0].lag_warning: must not be longer than "
+     "lag_critical (1h by default; set lag_critical too)"),
+    ('min_interval = "1h"\nmax_interval = "30m"',
+     "7: filesystem[0].max_interval: must not be shorter than min_interval"),
+])
+def test_durations_and_retention_are_refused_against_the_key_written(tmp_path, fs, message):
+    assert refusal(tmp_path, body(fs)).startswith(message)
+
+
+@pytest.mark.parametrize("url, message", [
+    ("https://[::1", "Invalid IPv6 URL"),
+    ("http://", "no valid host"),
+    ("http://localhost:99999", "out of range"),
+    ("http://localhost:0", "port 0 is out of range"),
+    ("http://exa mple:80", "no valid host"),
+    ("http://user:secret@backup:8765", "no user@"),
+    ("http://backup:8765/?x=1", "no ?query"),
+    ("file:///", "name a directory of the mirror's own"),
+    ("file:///srv/..", "name a directory of the mirror's own"),
+    ("file://srv/mirror", "names the host 'srv'"),
+    ("ftp://x", "expected file:///path or http(s)://host:port"),
+])
+def test_mirror_urls_are_checked(tmp_path, url, message):
+    got = refusal(tmp_path, body(mirror=f'url = "{url}"'))
+    assert got.startswith("8: filesystem[0].mirror[0].url: ") and message in got, got
+
+
+@pytest.mark.parametrize("url", ["https://backup:8765", "http://[::1]:8765",
+                                 "https://10.0.0.5", "http://mirror-host.example.org:80/base",
+                                 "file:///srv/mirror", "file://localhost/srv/mirror"])
+def test_good_mirror_urls_pass(tmp_path, url):
+    path = tmp_path / "c.toml"
+    path.write_text(body(mirror=f'url = "{url}"'))
+    assert load(path).filesystems[0].mirrors[0].url == url
+
+
+@pytest.mark.parametrize("name", ["../escaped-status", "a/b", ".hidden", "", "x" * 101,
+                                  "tab\there"])
+def test_a_name_is_never_a_path(tmp_path, name):
+    text = body().replace('name = "x"', f'name = "{name}"')
+    assert refusal(tmp_path, text).startswith("4: filesystem[0].name: ")
+
+
+def test_state_dir_is_absolute_and_a_directory(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for state_dir, message in (("run/mountfs", "must be an absolute path"),
+                               (a_file, f"{a_file} is not a directory"),
+                               (a_file / "sub", f"{a_file} is not a directory")):
+        got = refusal(tmp_path, body(daemon=f'state_dir = "{state_dir}"'))
+        assert got.startswith(f"2: daemon.state_dir: {message}"), got
+    path = tmp_path / "ok.toml"
+    path.write_text(body(daemon=f'state_dir = "{tmp_path}/new/state"'))
+    assert load(path).state_dir == f"{tmp_path}/new/state"
+
+
+def test_a_config_that_is_not_utf8_names_line_and_offset(tmp_path):
+    text = body().encode().replace(b'"/m"', b'"/m\xff"')
+    offset = text.index(b"\xff")
+    assert refusal(tmp_path, text) == (f"5: not UTF-8 (byte 0xff at offset {offset}); save "
+                                       f"the file as UTF-8")
+
+
+def test_a_huge_config_is_not_read_whole(tmp_path):
+    path = tmp_path / "c.toml"
+    with open(path, "wb") as f:
+        f.write(body().encode())
+        f.truncate(1 << 30)                 # sparse: 1 GiB that would cost 2 GB to parse
+    with pytest.raises(ConfigError, match="larger than 1 MiB"):
+        load(path)
+
+
+def test_a_fifo_or_a_directory_is_refused_at_once(tmp_path):
+    """A FIFO would block the open (and the read) forever: mountfsd --check must answer."""
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    res = subprocess.run([sys.executable, "-m", "daemon.cli", "--check", "--config",
+                          str(fifo)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert res.returncode == 2
+    assert res.stderr == f"mountfsd: {fifo}: not a regular file; name the config file itself\n"
+    with pytest.raises(ConfigError, match=f"^{tmp_path}: not a regular file"):
+        load(tmp_path)
+
+
+def check(tmp_path: Path, mirror: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    path = tmp_path / "c.toml"
+    path.write_text(body(mirror=mirror).replace('"/m"', f'"{tmp_path}"'))
+    return subprocess.run([sys.executable, "-m", "daemon.cli", "--check", "--config",
+                           str(path)], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "MOUNTFS_TOKEN": "", **(env or {})})
+
+
+def test_check_wants_a_token_for_an_http_mirror_and_a_file_for_token_file(tmp_path):
+    res = check(tmp_path, 'url = "https://backup:8765"')
+    assert res.returncode == 2
+    assert res.stderr.endswith(": mirror https://backup:8765: token_file missing; an http(s) "
+                               "mirror needs the replicate token (or $MOUNTFS_TOKEN in the "
+                               "daemon's environment)\n")
+    assert check(tmp_path, 'url = "https://backup:8765"',
+                 {"MOUNTFS_TOKEN": "t"}).returncode == 0
+    res = check(tmp_path, f'url = "https://backup:8765"\ntoken_file = "{tmp_path}"')
+    assert res.returncode == 2 and "chmod" not in res.stderr
+    assert res.stderr.endswith(f"token_file {tmp_path} is not a regular file; name the "
+                               f"file itself\n")
+    assert len(res.stderr.splitlines()) == 1
+
+
+def test_check_fails_in_one_line_where_the_daemon_crashed(tmp_path):
+    for mirror in ('url = "https://[::1"', 'retention = { grid = "100000000000x1s" }'):
+        res = check(tmp_path, f'url = "file:///srv/m"\n{mirror}' if "grid" in mirror
+                    else mirror)
+        assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+        assert "Traceback" not in res.stderr
+
