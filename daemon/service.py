@@ -60,16 +60,37 @@ class FilesystemLoop:
         self.last_snapshot_at = 0.0            # monotonic; 0: none by this process yet
 
     async def run(self) -> None:
-        await trio.to_thread.run_sync(self.publish)
+        """Publish, then step and publish every POLL_SECONDS. Whatever fails here (a status
+        file that cannot be written, a bug) is this filesystem's: one log line and a retry
+        after a backoff, never the end of the daemon and of the other filesystems' loops."""
+        failures = 0
+        work = self.publish_now            # the status file appears before the first step
         while True:
             try:
-                await self.step()
-                self.state.last_error = None
-            except (StoreError, control.ControlError, OSError) as e:
-                self.state.last_error = str(e)
-                log.error("%s: %s", self.fs.name, e)
-            await trio.to_thread.run_sync(self.publish)
-            await trio.sleep(POLL_SECONDS)
+                await work()
+                failures, delay = 0, POLL_SECONDS
+            except Exception as e:          # noqa: BLE001 - trio.Cancelled is no Exception
+                failures += 1
+                delay = backoff_delay(failures)
+                self.state.last_error = f"{type(e).__name__}: {e}"
+                log.error("%s: %s (retry in %.0f s)", self.fs.name, self.state.last_error,
+                          delay)
+            work = self.cycle
+            await trio.sleep(delay)
+
+    async def cycle(self) -> None:
+        """One step, its expected failures (not mounted, unreachable) kept as the last
+        error, then the status published."""
+        try:
+            await self.step()
+            self.state.last_error = None
+        except (StoreError, control.ControlError, OSError) as e:
+            self.state.last_error = str(e)
+            log.error("%s: %s", self.fs.name, e)
+        await self.publish_now()
+
+    async def publish_now(self) -> None:
+        await trio.to_thread.run_sync(self.publish)
 
     async def step(self) -> None:
         store = self._store()

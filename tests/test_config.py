@@ -5,12 +5,16 @@ the daemon."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import trio
+
+from daemon import config as config_mod
 from daemon.config import ConfigError, load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,3 +168,20 @@ def test_check_fails_in_one_line_where_the_daemon_crashed(tmp_path):
         assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
         assert "Traceback" not in res.stderr
 
+
+def test_one_filesystems_failure_never_ends_the_daemon(tmp_path, caplog):
+    """A state_dir that became a file after the config was checked: the loop logs one line
+    and retries; it neither raises nor stops."""
+    from daemon.service import FilesystemLoop
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    fs = config_mod.FilesystemConfig("x", str(tmp_path / "not-mounted"))
+    loop = FilesystemLoop(fs, config_mod.Config("c.toml", state_dir=str(a_file)), None)
+
+    async def run_a_while():
+        with trio.move_on_after(1.5):
+            await loop.run()
+    with caplog.at_level(logging.ERROR, logger="mountfsd"):
+        trio.run(run_a_while)
+    failed = [m for m in caplog.messages if m.startswith("x: FileExistsError: ")]
+    assert failed and all("(retry in " in m for m in failed), caplog.messages
