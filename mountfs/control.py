@@ -56,12 +56,27 @@ def runtime_dir(create: bool = False) -> Path:
     else:
         base = Path(f"/tmp/mountfs-{uid}")
     if create:
-        base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if base.exists():
+        try:
+            base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except FileExistsError:
+            pass                        # a file or a link in its place: refused below
+    try:
         st = base.lstat()
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
-            raise StoreError(f"{base} is not a private directory of uid {uid}; remove it")
+    except FileNotFoundError:
+        return base
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        raise StoreError(f"{base} is not a private directory of uid {uid}: "
+                         f"{_runtime_fix(base, uid)}")
     return base
+
+
+def _runtime_fix(base: Path, uid: int) -> str:
+    """What to do about a runtime directory that is not ours. Another user may have made
+    /tmp/mountfs-UID first; in sticky /tmp only they can remove it."""
+    if base.parent == Path("/tmp"):
+        return (f"another user may have made it; set XDG_RUNTIME_DIR to a directory of "
+                f"your own (export XDG_RUNTIME_DIR=/run/user/{uid})")
+    return "remove it, or set XDG_RUNTIME_DIR to a directory of your own"
 
 
 def mount_dir(mountpoint: str, create: bool = False) -> Path:

@@ -146,12 +146,14 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
     import pyfuse3              # the serving side's imports: finding a mount needs none
     import trio
 
+    from .control import runtime_dir
     from .engine import Engine
     from .memory import keep_freed_buffers
     from .ops import Operations
     from .store import Store
     mountpoint = canonical(mountpoint)
     _check_mountpoint(mountpoint)
+    runtime_dir(create=True)    # refused now, not by the control server once mounted
     keep_freed_buffers()
     sys.setswitchinterval(GIL_SWITCH)
     store = Store.open(store_path, readonly=read_only, lock=not read_only,
@@ -253,28 +255,24 @@ async def _on_signals() -> None:
 def mount_background(store: str, mountpoint: str, allow_other: bool, read_only: bool,
                      verbose: bool, timeout: float = 60.0) -> int:
     """Start the mount process and wait until it reports that the mount is live."""
-    rfd, wfd = os.pipe()
+    from .strictmodes import check_store
     store = os.path.abspath(store)
-    # Log into the store only if it is one: a refused directory must be left as it was (an
-    # empty one would no longer be empty, and 'mountfs mkfs' would refuse it).
-    is_store = (Path(store) / "data.mdb").is_file()
-    log_path = Path(store) / "mountfs.log" if is_store else Path(os.devnull)
+    check_store(store)                  # before its log is opened
+    log_path, logfd = _open_log(store)
+    rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "mountfs.cli"] + (["-v"] if verbose else []) + \
         ["mount", "--foreground", "--ready-fd", str(wfd), store, mountpoint]
     if allow_other:
         cmd.append("--allow-other")
     if read_only:
         cmd.append("--read-only")
-    try:
-        logf = open(log_path, "a") if os.access(log_path.parent, os.W_OK) else None
-    except OSError:
-        logf = None
     proc = subprocess.Popen(cmd, pass_fds=(wfd,), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=logf or subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL if logfd is None else logfd,
                             start_new_session=True)
     os.close(wfd)
-    if logf:
-        logf.close()
+    if logfd is not None:
+        os.close(logfd)
     deadline = time.monotonic() + timeout
     msg = b""
     with os.fdopen(rfd, "rb") as r:
@@ -291,6 +289,21 @@ def mount_background(store: str, mountpoint: str, allow_other: bool, read_only: 
         raise StoreError(f"the mount process exited (status {rc}) without mounting; "
                          f"see {log_path}")
     raise StoreError(text.removeprefix("ERROR "))
+
+
+def _open_log(store: str) -> tuple[Path, int | None]:
+    """The background mount's log, ``STORE/mountfs.log``, opened for appending (never
+    through a link: check_store passed) if STORE is a store we may write: a refused
+    directory must be left as it was (an empty one would no longer be empty, and 'mountfs
+    mkfs' would refuse it)."""
+    from .strictmodes import open_private
+    if not (Path(store) / "data.mdb").is_file() or not os.access(store, os.W_OK):
+        return Path(os.devnull), None
+    log_path = Path(store) / "mountfs.log"
+    try:
+        return log_path, open_private(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except OSError:
+        return Path(os.devnull), None
 
 
 def _holds_lock(info: MountInfo) -> bool:

@@ -33,6 +33,7 @@ import lmdb
 from . import buckets
 from . import schema as S
 from .errors import StoreError
+from .strictmodes import check_new_store, check_store, open_regular
 
 if TYPE_CHECKING:
     from .mapread import MapReader
@@ -65,6 +66,15 @@ def _data_file(path: Path) -> Path:
     return path / "data.mdb"
 
 
+def _make_private(path: Path) -> None:
+    """chmod 700 the new store's directory itself, never what a link in its place names."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
 class Store:
     """An open store. Only the process holding the lock writes; any number may read."""
 
@@ -94,12 +104,11 @@ class Store:
         if chunk_size < MIN_CHUNK_SIZE or chunk_size > MAX_CHUNK_SIZE or chunk_size & (chunk_size - 1):
             raise StoreError(f"chunk size {chunk_size} must be a power of two between "
                              f"{MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE} bytes")
-        if path.exists() and not path.is_dir():
-            raise StoreError(f"{path} exists and is not a directory")
+        check_new_store(path)
         if path.exists() and any(path.iterdir()):
             raise StoreError(f"{path} is not empty; refusing to create a store over it")
         path.mkdir(parents=True, exist_ok=True)
-        os.chmod(path, 0o700)
+        _make_private(path)
         env = _open_env(path, readonly=False, create=True)
         try:
             with env.begin(write=True) as txn:
@@ -125,6 +134,7 @@ class Store:
         writer gets a clear StoreError naming the holder). ``readahead=False`` suits a
         process that reads only metadata (see _open_env)."""
         path = Path(path).absolute()
+        check_store(path)
         if not path.is_dir():
             raise StoreError(f"{path}: no such store directory")
         if not _data_file(path).exists():
@@ -352,7 +362,7 @@ def _take_lock(path: Path, holder: str) -> int:
     """The exclusive store lock. ``lock_holder`` probes (umount's wait, ``mounts()``, status
     commands, the daemon) hold a shared lock for microseconds: a taker waits them out for
     LOCK_PATIENCE instead of refusing a store nobody uses; a real holder keeps it longer."""
-    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = open_regular(path / "lock", os.O_RDWR | os.O_CREAT)
     deadline = time.monotonic() + LOCK_PATIENCE
     while True:
         try:
@@ -362,7 +372,7 @@ def _take_lock(path: Path, holder: str) -> int:
             if time.monotonic() < deadline:
                 time.sleep(0.01)
                 continue
-            who = Path(path / "lock").read_text().strip() or "another process"
+            who = _holder_of(fd) or "another process"
             os.close(fd)
             raise StoreError(f"{path} is in use ({who}); a store has only one writer at a "
                              f"time") from None
@@ -383,18 +393,25 @@ def _release_lock(fd: int) -> None:
 
 
 def lock_holder(path: str | os.PathLike) -> str | None:
-    """Who holds the store lock ('pid N ...'), or None if it is free."""
-    lockfile = Path(path) / "lock"
-    if not lockfile.exists():
+    """Who holds the store lock ('pid N ...'), or None if it is free. Root asks this of
+    users' stores (umount): a link or a FIFO in the lock's place is nobody's lock, never a
+    file to read or an open that waits forever."""
+    try:
+        fd = open_regular(Path(path) / "lock", os.O_RDONLY)
+    except (FileNotFoundError, StoreError):
         return None
-    fd = os.open(lockfile, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return lockfile.read_text().strip()
+        return _holder_of(fd)
     finally:
         os.close(fd)
     return None
+
+
+def _holder_of(fd: int) -> str:
+    """The holder's name the lock file ``fd`` holds (read from the file that is locked)."""
+    return os.pread(fd, 4096, 0).decode(errors="replace").strip()
 
 
 # ---- versioned records ------------------------------------------------------------------

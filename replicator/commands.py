@@ -192,10 +192,23 @@ def _log_to(path: str) -> None:
     printed by the command itself, in one line."""
     root = logging.getLogger()
     if not root.handlers:
-        handler = logging.FileHandler(path)
+        handler = _SparkLogHandler(path)
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: "
                                                "%(message)s"))
         root.addHandler(handler)
+
+
+class _SparkLogHandler(logging.FileHandler):
+    """Records to the Spark log, opened as ``open_spark_log`` does, and only once one comes
+    (py4j's when Spark is in trouble, a warning): a run with nothing to log makes no file."""
+
+    def __init__(self, path: str):
+        super().__init__(path, delay=True)
+
+    def _open(self):
+        from replicator.transfer import open_spark_log
+        return os.fdopen(open_spark_log(self.baseFilename), "a", encoding=self.encoding,
+                         errors=self.errors)
 
 
 def _message(e: Exception) -> str:
@@ -239,8 +252,12 @@ def _interrupted(where: snapctl.Target, ours: str | None) -> None:
 def _quiet_stderr(log_path: str) -> None:
     """Send file descriptor 2 (where py4j and the JVM write) to the Spark log; keep our own
     messages on the terminal through a duplicate."""
+    from replicator.transfer import open_spark_log
+    try:
+        fd = open_spark_log(log_path)
+    except (StoreError, OSError):
+        return                            # not a file of ours: stderr stays the terminal
     saved = os.dup(2)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 2)
     os.close(fd)
     sys.stderr = os.fdopen(saved, "w", buffering=1)

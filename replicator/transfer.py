@@ -29,6 +29,8 @@ from typing import Callable
 
 from py4j.protocol import Py4JError
 
+from mountfs.strictmodes import open_private
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_BYTES = 32 << 20
@@ -85,10 +87,16 @@ def spark_log_path() -> str:
         tempfile.gettempdir(), f"mountfs-spark-{os.getuid()}.log")
 
 
+def open_spark_log(path: str) -> int:
+    """The Spark log, opened for appending: in a shared $TMPDIR another user could have put
+    a link or a file of theirs at its name first, so neither is followed or written (0600)."""
+    return open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+
 @contextlib.contextmanager
 def _stderr_to(path: str):
     """Point file descriptor 2 at ``path`` while the JVM starts (it inherits it)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = open_spark_log(path)
     saved = os.dup(2)
     os.dup2(fd, 2)
     try:
