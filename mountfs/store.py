@@ -22,6 +22,7 @@ import fcntl
 import functools
 import logging
 import os
+import struct
 import time
 import uuid as uuidlib
 from contextlib import contextmanager
@@ -324,18 +325,44 @@ def _pages_end(env: lmdb.Environment) -> int:
 
 
 def _check_size(env: lmdb.Environment, path: Path) -> None:
-    """Refuse a data file shorter than the pages LMDB's meta says are in use. LMDB maps the
+    """Refuse a data file cut short of the root pages its newest meta names. LMDB maps the
     file: the first read of a page past its end would kill the process with SIGBUS, no
-    message. A writer writes its pages before the meta naming them, so reading the meta
-    first and the size second never refuses a store a writer is growing."""
-    end = _pages_end(env)
-    size = os.stat(_data_file(path)).st_size
+    message. Not the file's size against the meta's last page: a page freed in the
+    transaction that allocated it is never written, so a crash may leave the file short of
+    that (CI saw it after a kill -9 during a commit); a root page is always written before
+    the meta naming it. A cut past the roots but before an inner page still goes unseen."""
+    psize = env.stat()["psize"]
+    with open(_data_file(path), "rb") as f:
+        head = f.read(2 * psize)             # the metas first: a writer writes pages first
+        size = os.fstat(f.fileno()).st_size
+    metas = [m for m in (_meta(head, 0), _meta(head, psize)) if m is not None]
+    if not metas:
+        return                              # LMDB has accepted it: not ours to judge
+    _txnid, roots = max(metas)
+    end = max(((root + 1) * psize for root in roots), default=0)
     if size < end:
-        raise StoreError(f"{_data_file(path)} is truncated: {size:,} bytes but LMDB's last "
-                         f"page ends at {end:,}; the store is damaged: restore it from a "
-                         f"backup or a mirror (copy the mirror's store, then 'mountfs "
+        raise StoreError(f"{_data_file(path)} is truncated: {size:,} bytes but its tree's "
+                         f"root page ends at {end:,}; the store is damaged: restore it from "
+                         f"a backup or a mirror (copy the mirror's store, then 'mountfs "
                          f"promote' the copy); a damaged mirror: move it aside and "
                          f"replicate again")
+
+
+_META = struct.Struct("<II")                # MDB_meta after the page header: magic, version
+_META_MAGIC = 0xBEEFC0DE
+_P_INVALID = (1 << 64) - 1                  # md_root of an empty database
+
+
+def _meta(head: bytes, at: int) -> tuple[int, list[int]] | None:
+    """(txnid, root pages) of the LMDB meta page at ``at`` (64-bit layout: a 16-byte page
+    header, then magic, version, address, mapsize, two 48-byte MDB_db with md_root at 40,
+    last page, txnid), or None if it is not one."""
+    off = at + 16
+    if len(head) < off + 136 or _META.unpack_from(head, off)[0] != _META_MAGIC:
+        return None
+    roots = [struct.unpack_from("<Q", head, off + 24 + 48 * i + 40)[0] for i in (0, 1)]
+    txnid = struct.unpack_from("<Q", head, off + 128)[0]
+    return txnid, [r for r in roots if r != _P_INVALID]
 
 
 def _check_format(env: lmdb.Environment, path: Path) -> None:

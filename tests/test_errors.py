@@ -339,7 +339,7 @@ def test_a_truncated_store_is_one_line_everywhere_never_a_bus_error(make_mount, 
             (("mountfs", "serve-mirror", mirror, "--listen", f"127.0.0.1:{free_port()}",
               "--token-file", token), 1)):
         err = fails_clearly(*args, code=code, contains=f"{mirror}/data.mdb is truncated: "
-                                                       f"100,000 bytes but LMDB's last page")
+                                                       f"100,000 bytes but its tree's root")
         assert "restore it from" in err, err
     assert not os.path.ismount(mnt)
     assert m.snapctl("list").stdout.count("repl-") == 1      # the refused runs left nothing

@@ -175,13 +175,27 @@ def workload(m, log: Path):
     return promises
 
 
-def test_power_loss_at_any_cut_keeps_the_store_whole(recorded, make_mount, tmp_path):
+@pytest.fixture
+def recorded_store(recorded, tmp_path):
+    """A store whose data file is the recording filesystem's (bind-mounted over a file of
+    the store: a store's paths are never links, mountfs.strictmodes), its other files
+    beside it; and the log position from which it exists. Unmounted after the mount's own
+    teardown (its fsck) and before the recording filesystem's."""
     rec, log = recorded
     cli("mountfs", "mkfs", rec)
-    made = log_position(log)              # a store exists from here on
+    made = log_position(log)
     store = tmp_path / "store"
     store.mkdir(mode=0o700)
-    os.symlink(rec / "data.mdb", store / "data.mdb")
+    (store / "data.mdb").touch(mode=0o600)
+    subprocess.run(["mount", "--bind", rec / "data.mdb", store / "data.mdb"], check=True)
+    yield store, made
+    subprocess.run(["umount", store / "data.mdb"], check=True)
+
+
+def test_power_loss_at_any_cut_keeps_the_store_whole(recorded, recorded_store, make_mount,
+                                                     tmp_path):
+    _rec, log = recorded
+    store, made = recorded_store
     m = make_mount(store)
     promises = workload(m, log)
     m.umount()
