@@ -829,7 +829,12 @@ def replace_chunks(txn, dbs, chunks) -> int:
 
 def repair(txn, dbs, chunk_size: int, base_uuid: str, cs: Changeset) -> None:
     """Make the live tree equal the source's ``base`` snapshot again (verify --repair): only
-    the newest snapshot, since snapshots themselves are immutable."""
+    the newest snapshot, since snapshots themselves are immutable, and only while the store
+    is a mirror (a promoted one still holds the source's snapshots, but its tree is its
+    own)."""
+    if txn.get(b"mirror_of", db=dbs["meta"]) is None:      # promoted: its tree is its own
+        raise MirrorError("the store is no longer a mirror (it was promoted): repairing "
+                          "would rewrite its own files; verify it without --repair")
     newest = snaps.list_all(txn, dbs)[-1:]
     if not newest or newest[0].uuid.hex() != base_uuid:
         raise MirrorError("repair works on the mirror's newest snapshot only; older "

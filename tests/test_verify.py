@@ -92,6 +92,25 @@ def test_tampered_entries_are_found_and_repaired(replicated, tmp_path):
     assert_mirror_equals(m, mirror, "s2", tmp_path)
 
 
+
+def test_a_promoted_mirror_is_never_repaired(replicated):
+    """A promoted mirror still holds the source's newest snapshot, but its tree is its own
+    now: --repair must not rewrite it to the source's (it did)."""
+    m, mirror = replicated
+    cli("mountfs", "promote", mirror)
+    tamper_live(mirror)                               # its users' changes
+    res = run_verify(m, mirror, "--repair")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "no longer a mirror (it was promoted)" in res.stderr
+    store = Store.open(mirror, readonly=True, lock=False)
+    try:
+        with store.read() as txn:
+            live = Live(txn, store.db, snapshots.live_epoch(txn, store.db), store.chunk_size)
+            assert live.lookup(live.lookup(S.ROOT_INO, b"dir"), b"intruder") is not None
+    finally:
+        store.close()
+
+
 def damage_chunk(mirror: Path, delete: bool) -> str:
     """Corrupt or delete one chunk's data under the store (a disk error, a bad tool)."""
     env = lmdb.open(str(mirror), max_dbs=len(S.DB_NAMES) + 2, map_size=1 << 40)
