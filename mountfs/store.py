@@ -141,6 +141,10 @@ class Store:
         if not _data_file(path).exists():
             raise StoreError(f"{path} is not a mountfs store (no data.mdb); create one with "
                              f"'mountfs mkfs {path}'")
+        if _data_file(path).stat().st_size == 0:    # LMDB would make a new, empty one in it
+            raise StoreError(f"{_data_file(path)} is empty: an interrupted mkfs (delete it and "
+                             f"run 'mountfs mkfs {path}' again), or a store whose data was "
+                             f"lost (restore it from a backup or a mirror)")
         lockfd = _take_lock(path, holder) if lock else None
         env = None
         try:

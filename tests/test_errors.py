@@ -343,3 +343,19 @@ def test_a_truncated_store_is_one_line_everywhere_never_a_bus_error(make_mount, 
         assert "restore it from" in err, err
     assert not os.path.ismount(mnt)
     assert m.snapctl("list").stdout.count("repl-") == 1      # the refused runs left nothing
+
+
+def test_an_empty_data_file_is_one_line_and_left_as_it_is(tmp_path):
+    """A 0-byte data.mdb (an interrupted mkfs, a lost copy): fsck said "Bad file descriptor"
+    and a writable open wrote a new, empty LMDB into it. One line, and nothing written."""
+    store, mnt = tmp_path / "store", tmp_path / "mnt"
+    cli("mountfs", "mkfs", store)
+    os.truncate(store / "data.mdb", 0)
+    mnt.mkdir()
+    for args, code in ((("mountfs", "fsck", store), 2), (("mountfs", "mount", store, mnt), 1),
+                       (("snapctl", "--store", store, "create", "s"), 1)):
+        err = fails_clearly(*args, code=code, contains=f"{store}/data.mdb is empty: an "
+                                                       f"interrupted mkfs")
+        assert "restore it from a backup or a mirror" in err
+    assert os.path.getsize(store / "data.mdb") == 0 and not os.path.ismount(mnt)
+
