@@ -406,7 +406,7 @@ def _take_lock(path: Path, holder: str) -> int:
             who = _holder_of(fd) or "another process"
             os.close(fd)
             raise StoreError(f"{path} is in use ({who}); a store has only one writer at a "
-                             f"time") from None
+                             f"time{_way_out(who)}") from None
     os.ftruncate(fd, 0)
     try:
         os.write(fd, f"pid {os.getpid()}{' ' + holder if holder else ''}\n".encode())
@@ -438,6 +438,17 @@ def lock_holder(path: str | os.PathLike) -> str | None:
     finally:
         os.close(fd)
     return None
+
+
+def _way_out(holder: str) -> str:
+    """What to do about the holder of the lock, when it is a mount (its text ends
+    'mounted at MOUNTPOINT'): fsck or promote wants it unmounted, most else works through
+    it."""
+    _, found, mountpoint = holder.partition(" mounted at ")
+    if not found:
+        return ""
+    return (f": unmount it first ('mountfs umount {mountpoint}'), or work through the mount "
+            f"('snapctl -m {mountpoint} ...')")
 
 
 def _holder_of(fd: int) -> str:

@@ -359,3 +359,13 @@ def test_an_empty_data_file_is_one_line_and_left_as_it_is(tmp_path):
         assert "restore it from a backup or a mirror" in err
     assert os.path.getsize(store / "data.mdb") == 0 and not os.path.ismount(mnt)
 
+
+def test_fsck_of_a_mounted_store_says_how_to_go_on(make_mount):
+    """A new user ran fsck on a mounted store and got "a store has only one writer": the
+    line now names the mount and both ways on."""
+    m = make_mount()
+    err = fails_clearly("mountfs", "fsck", m.store, code=2, contains=f"{m.store} is in use")
+    assert err.endswith(f"a store has only one writer at a time: unmount it first ('mountfs "
+                        f"umount {m.mnt}'), or work through the mount ('snapctl -m {m.mnt} "
+                        f"...')"), err
+
