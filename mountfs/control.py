@@ -12,6 +12,7 @@ object on one line; one JSON answer on one line, ``{"ok": true, ...}`` or
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -379,20 +380,15 @@ async def _receive(stream) -> bytes:
 async def _answer(stream, reply: dict) -> None:
     """Send ``reply``, unless the client is gone or does not take it in REQUEST_TIMEOUT."""
     import trio
-    with trio.move_on_after(REQUEST_TIMEOUT):
-        try:
-            await stream.send_all(json.dumps(reply).encode() + b"\n")
-        except trio.BrokenResourceError:
-            pass
+    with trio.move_on_after(REQUEST_TIMEOUT), contextlib.suppress(trio.BrokenResourceError):
+        await stream.send_all(json.dumps(reply).encode() + b"\n")
 
 
 def _remove_empty(d: Path) -> None:
     """Remove a mount's runtime directory once its socket and record are gone (one per
     mountpoint ever mounted would pile up); one another mount took meanwhile stays."""
-    try:
+    with contextlib.suppress(OSError):
         d.rmdir()
-    except OSError:
-        pass
 
 
 def _children(pid: int) -> list[int]:
