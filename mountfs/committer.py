@@ -18,8 +18,9 @@ Rules (the engine keeps them):
   committed tree at once;
 * below DEFER_MARGIN of free disk every step waits for its commit, so a full disk fails
   the call that caused it (ENOSPC) instead of a commit after the reply; such a commit is
-  tried once more after ``Store.release_freed_pages`` (the pages a delete just freed are
-  LMDB's to reuse only a transaction later). A commit that still
+  tried once more after finishing the purge of deleted files and
+  ``Store.release_freed_pages`` (the pages a delete just freed are LMDB's to reuse only a
+  transaction later; ``_make_room``). A commit that still
   fails after replies went out loses those changes (as a crash would): the committer then
   refuses every later step, and the mount must be remounted;
 * the bucket hashes of what the open transaction wrote are folded in once, just before it
@@ -49,7 +50,7 @@ import time
 
 import lmdb
 
-from . import buckets
+from . import buckets, gc
 from . import schema as S
 from .namespace import FsError, Live, View
 from .store import Store, StoreError, StoreFull
@@ -346,6 +347,20 @@ class Committer:
         except Exception as e:
             step.error = e
 
+    def _make_room(self) -> bool:
+        """Before a full disk is final: finish purging deleted files (one of more than
+        ``Live.destroy``'s inline chunks is purged in the background, so a write right after
+        deleting it found the disk still full), then let the next transaction reuse the
+        pages freed (``Store.release_freed_pages``). False if even that found no room."""
+        try:
+            while True:
+                with self.store.write() as txn:
+                    if gc.purge_batch(txn, self.store.db, self.store.chunk_size):
+                        break
+        except StoreFull:
+            return False
+        return self.store.release_freed_pages()
+
     def _commit(self) -> None:
         """Commit the open transaction; reply to the steps still waiting for it."""
         if self._txn is None:
@@ -358,7 +373,7 @@ class Committer:
             except StoreFull:
                 txn.abort()         # ended already, unless the bucket hashes' fold failed
                 if any(s.replied or s.posted is not None for s in steps) \
-                        or not self.store.release_freed_pages():
+                        or not self._make_room():
                     raise
                 txn, txn_no = self._rerun(steps)      # once: a second failure stands
                 self.store.commit(txn, self._fold_buckets)

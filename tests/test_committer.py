@@ -9,14 +9,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import queue
+import random
 import stat
 import time
 
 import pytest
 
-from conftest import cli, fsck_clean
+from conftest import cli, fsck_clean, tmpfs_disk
 from mountfs import buckets, snapshots
 from mountfs import schema as S
+from mountfs.filecache import chunk_digest
 from mountfs.committer import BATCH_STEPS, LIVE, SYNC, TXN, Committer, Step
 from mountfs.namespace import FsError, View
 from mountfs.store import Store, StoreFull
@@ -257,3 +259,66 @@ def test_no_second_try_once_a_step_is_answered(tmp_path, monkeypatch):
         with pytest.raises(FsError) as refused:
             _run(committer, LIVE, _create, S.ROOT_INO, b"next", stat.S_IFREG | 0o644)
         assert refused.value.errno == errno.EIO
+
+
+def _put_chunks(live, name: bytes, first: int, count: int, size: int, seed: int) -> None:
+    """A step: ``count`` chunks of ``size`` bytes from index ``first`` into file ``name``
+    (made if missing), each of its own content."""
+    ino = live.lookup(S.ROOT_INO, name) or live.create(S.ROOT_INO, name,
+                                                        stat.S_IFREG | 0o644, 0, 0)[0]
+    for i in range(first, first + count):
+        data = random.Random(seed * 100_003 + i).randbytes(size)
+        live.put_chunk(ino, i, chunk_digest(data), data)
+    rec = live.get(ino)
+    live.save(ino, rec.evolve(size=max(rec.size, (first + count) * size)))
+
+
+def test_a_full_disk_finishes_purging_a_deleted_file_first(tmp_path, monkeypatch):
+    """A file of more than Live.destroy's inline chunks has the rest purged in the
+    background: a write right after deleting it found the disk still full (ENOSPC; a CI
+    flake of test_a_full_disk_reaches_the_writer_and_loses_nothing, under load). A commit
+    that finds no room now finishes the purge first. No background purge runs here: only
+    that can have made the room."""
+    monkeypatch.setattr("mountfs.committer.DEFER_MARGIN", 1 << 62)    # each step commits
+    cs = 64 << 10
+    with tmpfs_disk(tmp_path / "disk", "24m") as disk:
+        path = disk / "store"
+        cli("mountfs", "mkfs", "--chunk-size", "64K", path)
+        store = Store.open(path)
+        try:
+            with _committer_on(store) as committer:
+                _fill_then_delete_then_write(committer, store, cs)
+        finally:
+            store.close()
+        fsck_clean(path)
+
+
+@contextlib.contextmanager
+def _committer_on(store: Store):
+    """A started committer on ``store`` (its callbacks ignored), stopped at the end."""
+    with store.read() as txn:
+        epoch = store.live_epoch(txn)
+    committer = Committer(store, epoch, lambda n, txn_no: None, lambda steps: None)
+    committer.start()
+    try:
+        yield committer
+    finally:
+        committer.stop()
+
+
+def _fill_then_delete_then_write(committer: Committer, store: Store, cs: int) -> None:
+    """12 MiB in one file, the disk filled, the file deleted, then 8 MiB: more than the
+    deleted file's inline chunks freed, less than all of them."""
+    for first in range(0, 192, 32):                     # 12 MiB, 192 chunks
+        _run(committer, LIVE, _put_chunks, b"big", first, 32, cs, 1)
+    with pytest.raises(FsError) as full:                # then the disk is full
+        for first in range(0, 1024, 8):
+            _run(committer, LIVE, _put_chunks, b"filler", first, 8, cs, 2)
+    assert full.value.errno == errno.ENOSPC
+    _run(committer, LIVE, _remove, S.ROOT_INO, b"big")  # 64 chunks freed inline
+    with store.read() as txn:
+        assert txn.stat(store.db["purge"])["entries"] == 1
+    _run(committer, LIVE, _put_chunks, b"after", 0, 128, cs, 3)     # 8 MiB
+    with store.read() as txn:
+        assert txn.stat(store.db["purge"])["entries"] == 0
+
