@@ -41,6 +41,7 @@ Rules (the engine keeps them):
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import os
@@ -65,6 +66,8 @@ TXN_BYTES = 32 << 20        # chunk data that makes a transaction commit early
 TXN_STEPS = 5000            # steps that make a transaction commit early
 BATCH_STEPS = 256           # posted steps that make their batch run early (Committer.post)
 DEFER_MARGIN = 256 << 20    # less free disk than this: every step waits for its commit
+PURGE_CHUNKS = 64           # chunks a purge batch drops when a full disk waits for it: small
+                            # transactions, which find room where a large one would not
 
 LIVE, TXN, COMMIT, SYNC, LOOK = "live", "txn", "commit", "sync", "look"
 
@@ -348,18 +351,22 @@ class Committer:
             step.error = e
 
     def _make_room(self) -> bool:
-        """Before a full disk is final: finish purging deleted files (one of more than
-        ``Live.destroy``'s inline chunks is purged in the background, so a write right after
-        deleting it found the disk still full), then let the next transaction reuse the
-        pages freed (``Store.release_freed_pages``). False if even that found no room."""
-        try:
+        """Before a full disk is final: let the next transaction reuse the pages just freed
+        (``Store.release_freed_pages``), then finish purging deleted files in small
+        batches (one of more than ``Live.destroy``'s inline chunks is purged in the
+        background, so a write right after deleting it found the disk still full) as far as
+        the room allows, and release again. False if not even the first release found
+        room (the steps then fail with ENOSPC as they are)."""
+        if not self.store.release_freed_pages():
+            return False
+        with contextlib.suppress(StoreFull):
             while True:
                 with self.store.write() as txn:
-                    if gc.purge_batch(txn, self.store.db, self.store.chunk_size):
+                    if gc.purge_batch(txn, self.store.db, self.store.chunk_size,
+                                      max_chunks=PURGE_CHUNKS):
                         break
-        except StoreFull:
-            return False
-        return self.store.release_freed_pages()
+        self.store.release_freed_pages()        # what the purge freed, for the rerun
+        return True
 
     def _commit(self) -> None:
         """Commit the open transaction; reply to the steps still waiting for it."""
