@@ -57,10 +57,9 @@ def runtime_dir(create: bool = False) -> Path:
     else:
         base = Path(f"/tmp/mountfs-{uid}")
     if create:
-        try:
+        # A file or a link in its place: refused below.
+        with contextlib.suppress(FileExistsError):
             base.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except FileExistsError:
-            pass                        # a file or a link in its place: refused below
     try:
         st = base.lstat()
     except FileNotFoundError:

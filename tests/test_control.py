@@ -4,6 +4,7 @@ the client says in one line why a mount cannot be reached."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -22,10 +23,8 @@ def raw(m, payload: bytes) -> str:
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(control.REQUEST_TIMEOUT / 2)
         s.connect(str(control.socket_path(m.store)))
-        try:
-            s.sendall(payload)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(payload)          # refused before all of it was read: the answer says so
         answer = s.makefile("rb").readline()
     reply = json.loads(answer)
     assert reply["ok"] is False

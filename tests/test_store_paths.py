@@ -170,12 +170,13 @@ def test_the_spark_log_follows_no_link_and_is_private(tmp_path, victim, monkeypa
     assert victim.read_text() == "root's secret\n"
     log.unlink()
     with transfer._stderr_to(str(log)):
-        pass
-    assert os.stat(log).st_mode & 0o777 == 0o600
+        os.write(2, b"spark says\n")
+    assert os.stat(log).st_mode & 0o777 == 0o600 and log.read_text() == "spark says\n"
     os.chown(log, NOBODY, NOBODY)          # made first by another user, in a shared /tmp
     with pytest.raises(StoreError, match="is owned by nobody"):
         with transfer._stderr_to(str(log)):
-            pass
+            os.write(2, b"never here\n")
+    assert log.read_text() == "spark says\n"
 
 
 def test_a_replicate_without_spark_opens_no_spark_log(store, tmp_path, victim):
