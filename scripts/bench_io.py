@@ -307,7 +307,7 @@ def snapshot_latency(m: MountedStore, creates: int) -> dict:
             run(VENV_BIN / "snapctl", "-m", m.mnt, "create", f"cli{i}")
             cli.append(time.perf_counter() - t0)
         else:
-            syncfs(str(m.mnt))
+            syncfs(str(m.mnt), str(m.store))
             control.request(m.store, {"op": "create", "name": f"req{i}"})
             req.append(time.perf_counter() - t0)
     return {f"{name}_{stat}_ms": fn(vals) * 1e3 for name, vals in (("cli", cli), ("req", req))
@@ -348,16 +348,19 @@ def bench_snapshots(work: Workdir, sizes: list[int], creates: int, res: Results)
     cp_ms = cp_baseline(work, sizes[0], max(1, min(1000, sizes[0] // 100)))
     small, big = out[sizes[0]], out[sizes[-1]]
     rows = []
-    for key, label in (("req_median_ms", "request median"), ("req_p95_ms", "request p95"),
-                       ("cli_median_ms", "snapctl create median"),
-                       ("cli_p95_ms", "snapctl create p95")):
+    for key, label, limit in (("req_median_ms", "request median", 20),
+                              ("req_p95_ms", "request p95", 20),
+                              ("cli_median_ms", "snapctl create median", 100),
+                              ("cli_p95_ms", "snapctl create p95", 100)):
         rows.append([label, f"{small[key]:.1f}", f"{big[key]:.1f}",
-                     f"{big[key] / small[key]:.2f}", verdict(max(small[key], big[key]) < 20)])
+                     f"{big[key] / small[key]:.2f}",
+                     verdict(max(small[key], big[key]) <= limit) + f" (<= {limit} ms)"])
     res.add("snapshot_create", {"by_files": out, "cp_a_ms": cp_ms, "snapctl_help_ms": startup})
     print_table(f"snapshot create latency over {creates} creates each (ms; 'request' is what "
                 f"snapctl does after its start-up: syncfs + the control request)",
                 ["figure", f"{sizes[0]:,} files", f"{sizes[-1]:,} files",
-                 f"{sizes[-1] // sizes[0]}x/1x", "target < 20 ms"], rows)
+                 f"{sizes[-1] // sizes[0]}x/1x",
+                 "target (request: issue 2; command: issue 12)"], rows)
     print(f"baselines: there is no snapshot of a plain directory; `cp -a` of the "
           f"{sizes[0]:,}-file tree (cold cache) takes {cp_ms:.0f} ms; `snapctl --help` "
           f"(start-up alone) takes {startup:.0f} ms")
