@@ -224,7 +224,7 @@ class _Checker:
                                "stall_timeout", "spark_threshold", "mirror"})
         fs = FilesystemConfig(
             name=self.name(raw, where),
-            mountpoint=self.string(raw, where, "mountpoint", required=True),
+            mountpoint=self.absolute_path(raw, where, "mountpoint", required=True),
             snapshot_prefix=self.string(raw, where, "snapshot_prefix", DAEMON_PREFIX),
             retention=self.policy(raw, where),
             spark_threshold=self.size(raw, where, "spark_threshold", 16 << 20),
@@ -244,9 +244,10 @@ class _Checker:
         url = self.string(raw, where, "url", required=True)
         if problem := _url_problem(url):
             self.fail(where, "url", problem)
-        return MirrorConfig(url, self.string(raw, where, "token_file", None),
-                            self.string(raw, where, "ca_file", None), self.policy(raw, where),
-                            self.string(raw, where, "admin_token_file", None))
+        return MirrorConfig(url, self.absolute_path(raw, where, "token_file"),
+                            self.absolute_path(raw, where, "ca_file"),
+                            self.policy(raw, where),
+                            self.absolute_path(raw, where, "admin_token_file"))
 
     # ---- typed values ----------------------------------------------------------------------
 
@@ -265,6 +266,16 @@ class _Checker:
         if not isinstance(raw[key], str) or not raw[key]:
             self.fail(where, key, "expected a non-empty string")
         return raw[key]
+
+    def absolute_path(self, raw, where, key, required=False) -> str | None:
+        """An absolute path: a relative one would be taken from wherever the daemon was
+        started (``/`` under systemd, the shell's directory by hand), so one config would
+        name two places."""
+        path = self.string(raw, where, key, None, required)
+        if path is not None and not os.path.isabs(path):
+            self.fail(where, key, f"must be an absolute path (got {path!r}; write "
+                                  f"{os.path.abspath(path)!r} if that is the one)")
+        return path
 
     def size(self, raw, where, key, default: int) -> int:
         try:

@@ -110,6 +110,29 @@ def test_state_dir_is_absolute_and_a_directory(tmp_path):
     assert load(path).state_dir == f"{tmp_path}/new/state"
 
 
+@pytest.mark.parametrize("where, key, line", [
+    ("fs", "mountpoint", "5: filesystem[0].mountpoint"),
+    ("mirror", "token_file", "9: filesystem[0].mirror[0].token_file"),
+    ("mirror", "ca_file", "9: filesystem[0].mirror[0].ca_file"),
+    ("mirror", "admin_token_file", "9: filesystem[0].mirror[0].admin_token_file")])
+def test_paths_in_a_config_are_absolute(tmp_path, where, key, line):
+    """Under systemd the daemon runs from /, by hand from the shell's directory: a relative
+    path would name a different file in each."""
+    mirror = 'url = "file:///srv/mirror"'
+    if where == "fs":
+        text = body(mirror=mirror).replace('mountpoint = "/m"', f'{key} = "data/mnt"')
+        wrong = "data/mnt"
+    else:
+        text = body(mirror=f'{mirror}\n{key} = "etc/token"')
+        wrong = "etc/token"
+    got = refusal(tmp_path, text)
+    assert got.startswith(f"{line}: must be an absolute path (got '{wrong}'; write "
+                          f"'{os.path.abspath(wrong)}'"), got
+    path = tmp_path / "ok.toml"
+    path.write_text(text.replace(f'"{wrong}"', f'"/{wrong}"'))
+    assert load(path).filesystems[0].name == "x"
+
+
 def test_a_config_that_is_not_utf8_names_line_and_offset(tmp_path):
     text = body().encode().replace(b'"/m"', b'"/m\xff"')
     offset = text.index(b"\xff")

@@ -19,11 +19,11 @@ from conftest import cli
 TOP = Path(__file__).resolve().parent.parent
 
 
-def install(tmp_path: Path, *args) -> subprocess.CompletedProcess:
+def install(tmp_path: Path, *args, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, DEST=str(tmp_path / "units"), CONFIG_DIR=str(tmp_path / "etc"),
                BINDIR=str(Path(sys.executable).parent))
     return subprocess.run(["bash", str(TOP / "scripts/install-systemd"), *map(str, args)],
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 def test_install_writes_units_store_and_config(tmp_path):
@@ -48,6 +48,20 @@ def test_install_writes_units_store_and_config(tmp_path):
     assert 'url = "http://backup:8765"' in config
     assert "stall_timeout" in config and "ca_file" in config
     assert (tmp_path / "mnt").is_dir()
+
+
+def test_install_makes_relative_paths_absolute(tmp_path):
+    """A user in their home directory types ``install-systemd demo store mnt URL token``;
+    the services run from /, and the daemon refuses relative paths."""
+    (tmp_path / "token").write_text("t" * 32)
+    res = install(tmp_path, "demo", "store", "mnt", "http://backup:8765", "token",
+                  cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "etc/demo.env").read_text().startswith(
+        f"STORE={tmp_path}/store\nMOUNTPOINT={tmp_path}/mnt\n")
+    config = (tmp_path / "etc/demo.toml").read_text()
+    assert f'mountpoint = "{tmp_path}/mnt"' in config
+    assert f'token_file = "{tmp_path}/token"' in config
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
