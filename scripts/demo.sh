@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 
-DEMO_DIR=${DEMO_DIR:-$(mktemp -d /tmp/mountfs-demo.XXXXXX)}
+DEMO_DIR=$(realpath -m -- "${DEMO_DIR:-$(mktemp -d /tmp/mountfs-demo.XXXXXX)}")   # the config wants absolute paths
 STORE="$DEMO_DIR/store"
 MIRROR="$DEMO_DIR/mirror"
 MNT="$DEMO_DIR/mnt"
