@@ -5,11 +5,13 @@
 # daemon for a few seconds, unmount, fsck.
 # DEMO_DIR (default: a new temp dir) holds the store, the mirror and the mountpoint.
 set -euo pipefail
+# from where you are (before the cd below); the daemon's config wants absolute paths
+[ -z "${DEMO_DIR:-}" ] || DEMO_DIR=$(realpath -m -- "$DEMO_DIR")
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 
-DEMO_DIR=$(realpath -m -- "${DEMO_DIR:-$(mktemp -d /tmp/mountfs-demo.XXXXXX)}")   # the config wants absolute paths
+DEMO_DIR=${DEMO_DIR:-$(mktemp -d /tmp/mountfs-demo.XXXXXX)}
 STORE="$DEMO_DIR/store"
 MIRROR="$DEMO_DIR/mirror"
 MNT="$DEMO_DIR/mnt"
