@@ -32,7 +32,12 @@ def _filesystems(ctx, config_path: str | None):
     """(name, mountpoint, store, configured mirror urls, state file, fs config) for each
     filesystem: from --config, else the one given by -m / the current directory (its
     configured mirrors then come from the daemon's status file; without one, every mirror
-    the store holds a base for counts)."""
+    the store holds a base for counts). --store names no mount and no config: refused
+    rather than ignored, which would have reported the current directory's filesystem."""
+    if ctx.obj.get("store"):
+        raise CannotRun(f"--store does not apply to status and check, which report mounted "
+                        f"filesystems: use -m MOUNTPOINT (where {ctx.obj['store']} is "
+                        f"mounted) or --config FILE")
     if config_path:
         try:
             cfg = config_mod.load(config_path)
