@@ -341,9 +341,12 @@ def verify(ctx, mirror_url, name, full, repair, token_file, ca_file, as_json):
                 click.echo(f"chunk data {kind}: {digest}")
         state = "matches" if result.clean else "DIFFERS"
         mismatched = ", ".join(f"{w} {n}" for w, n in result.mismatched.items())
+        scrubbed = "".join(f", {len(digests)} {kind}" for kind, digests
+                           in result.bad_chunks.items())
         click.echo(f"mirror {state} at snapshot {result.snapshot}"
                    f"{' after repair' if result.repaired else ''}: "
-                   f"{result.buckets} buckets compared, mismatched: {mismatched}")
+                   f"{result.buckets} buckets compared, mismatched: {mismatched}"
+                   + (f"; chunk data scrubbed{scrubbed}" if result.bad_chunks else ""))
     sys.exit(0 if result.clean else 1)
 
 

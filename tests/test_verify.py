@@ -24,10 +24,10 @@ from conftest import cli
 from test_replicate import assert_mirror_equals, send
 
 
-def run_verify(m, mirror: Path, *args) -> subprocess.CompletedProcess:
+def run_verify(m, mirror: Path, *args, as_json: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cmdline.snapctl", "-m", str(m.mnt), "verify",
-                           "--mirror", f"file://{mirror}", "--json", *args],
-                          capture_output=True, text=True, timeout=300)
+                           "--mirror", f"file://{mirror}", *(["--json"] if as_json else []),
+                           *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture
@@ -135,6 +135,10 @@ def test_damaged_chunks_are_found_by_full_and_repaired(replicated, tmp_path, del
     assert res.returncode == 1
     bad = json.loads(res.stdout)["bad_chunks"]
     assert bad == {"missing": [digest] if delete else [], "corrupt": [] if delete else [digest]}
+    text = run_verify(m, mirror, "--full", as_json=False).stdout.splitlines()
+    assert text[0] == f"chunk data {'missing' if delete else 'corrupt'}: {digest}"
+    assert text[-1].endswith(": 1024 buckets compared, mismatched: snapshot 0; chunk data "
+                             f"scrubbed, {int(delete)} missing, {int(not delete)} corrupt")
     assert cli("mountfs", "fsck", "-q", mirror, check=False).returncode == 1
     res = run_verify(m, mirror, "--full", "--repair")
     assert res.returncode == 0, res.stdout + res.stderr
