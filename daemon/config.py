@@ -26,9 +26,9 @@ retention = { daily = 30, monthly = 12 }
 ```
 
 Durations take ms, s, m, h, d, w (or a number of seconds), sizes K, M, G (or a number of
-bytes): the same parsers as the command lines (``mountfs.units``). Paths are absolute: the
-daemon runs from ``/`` under systemd. A duration is more than
+bytes): the same parsers as the command lines (``mountfs.units``). A duration is more than
 0 and at most 366 days: 0 would spin, and ``inf`` or ``1e308`` is never what was meant.
+Paths are absolute: the daemon runs from ``/`` under systemd.
 
 Every error names the key and its line: ``config.toml:12: filesystem[0].min_interval: ...``.
 The file must be a regular file (a FIFO would block the daemon forever) of at most 1 MiB,
