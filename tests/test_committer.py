@@ -18,8 +18,8 @@ import pytest
 from conftest import cli, fsck_clean, tmpfs_disk
 from mountfs import buckets, snapshots
 from mountfs import schema as S
-from mountfs.filecache import chunk_digest
 from mountfs.committer import BATCH_STEPS, LIVE, SYNC, TXN, Committer, Step
+from mountfs.filecache import chunk_digest
 from mountfs.namespace import FsError, View
 from mountfs.store import Store, StoreFull
 
@@ -321,4 +321,3 @@ def _fill_then_delete_then_write(committer: Committer, store: Store, cs: int) ->
     _run(committer, LIVE, _put_chunks, b"after", 0, 128, cs, 3)     # 8 MiB
     with store.read() as txn:
         assert txn.stat(store.db["purge"])["entries"] == 0
-

@@ -368,4 +368,3 @@ def test_fsck_of_a_mounted_store_says_how_to_go_on(make_mount):
     assert err.endswith(f"a store has only one writer at a time: unmount it first ('mountfs "
                         f"umount {m.mnt}'), or work through the mount ('snapctl -m {m.mnt} "
                         f"...')"), err
-

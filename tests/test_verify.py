@@ -92,7 +92,6 @@ def test_tampered_entries_are_found_and_repaired(replicated, tmp_path):
     assert_mirror_equals(m, mirror, "s2", tmp_path)
 
 
-
 def test_a_promoted_mirror_is_never_repaired(replicated):
     """A promoted mirror still holds the source's newest snapshot, but its tree is its own
     now: --repair must not rewrite it to the source's (it did)."""
