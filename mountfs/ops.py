@@ -82,6 +82,7 @@ class Operations(pyfuse3.Operations):
         self.lookups: dict[int, int] = {}
         self.snap_epochs: dict[int, int] = {}       # snapshot id -> epoch, of known ones
         self.handles: dict[int, Handle] = {}
+        self.releasing: dict[int, set[trio.Event]] = {}   # inode -> RELEASEs in progress
         self.dirs: dict[int, tuple[int, list]] = {}
         self.next_fh = 1
         self.timeout = READONLY_TIMEOUT if read_only else LIVE_TIMEOUT
@@ -451,6 +452,8 @@ class Operations(pyfuse3.Operations):
         if freed:
             await self.reap(freed)
         self.engine.wake_gc()
+        if self.releasing:
+            await self._after_releases(freed)
 
     @guard
     async def unlink(self, parent_inode, name, ctx):
@@ -462,34 +465,37 @@ class Operations(pyfuse3.Operations):
 
     async def _remove_name(self, parent: int, name: bytes, directory: bool) -> None:
         self._writable(parent)
-        if self._post_remove(parent, name, directory):
+        posted = self._post_remove(parent, name, directory)
+        if posted:
             self.engine.wake_gc()
+            if self.releasing:
+                await self._after_releases((posted,))
         else:
             await self._removed(Live.rmdir if directory else Live.unlink, parent, name)
 
-    def _post_remove(self, parent: int, name: bytes, directory: bool) -> bool:
+    def _post_remove(self, parent: int, name: bytes, directory: bool) -> int:
         """Post the unlink of a file with one name, or the rmdir of an empty directory, when
         the entry, both records and (rmdir) whether the directory is empty are known here
         (Engine.known_empty): every error the step could meet is raised here instead.
-        False: not posted (the step decides, awaited). git tries an rmdir of the directory
-        of every file it removes, mostly refused (ENOTEMPTY): awaited, each waited for the
-        writer to apply every change queued before it."""
+        The inode removed; 0: not posted (the step decides, awaited). git tries an rmdir
+        of the directory of every file it removes, mostly refused (ENOTEMPTY): awaited,
+        each waited for the writer to apply every change queued before it."""
         if not self.engine.can_post():
-            return False
+            return 0
         known, child = self.engine.known_entry(parent, name)
         if not known:
-            return False
+            return 0
         if child is None:
             raise FsError(errno.ENOENT)
         prec, crec = self.engine.known_inode(parent), self.engine.known_inode(child)
         if prec is None or crec is None or stat.S_ISDIR(crec.mode) != directory \
                 or crec.nlink != (2 if directory else 1) \
                 or (crec.parent, crec.name) != (parent, name):
-            return False        # EISDIR, ENOTDIR, hard links, subdirectories: the step decides
+            return 0            # EISDIR, ENOTDIR, hard links, subdirectories: the step decides
         if directory:
             empty = self.engine.known_empty(child)
             if empty is None:
-                return False
+                return 0
             if not empty:
                 raise FsError(errno.ENOTEMPTY)
         now = time.time_ns()
@@ -500,7 +506,7 @@ class Operations(pyfuse3.Operations):
                                   child: crec.evolve(nlink=0, ctime_ns=now, parent=0,
                                                      name=b""),
                                   (parent, name): 0})
-        return True
+        return child
 
     @staticmethod
     def _remove_step(live, now: int, parent: int, name: bytes, directory: bool,
@@ -632,12 +638,34 @@ class Operations(pyfuse3.Operations):
     @guard
     async def release(self, fh):
         h = self.handles.pop(fh)
-        if h.of is not None:
+        if h.of is None:
+            return
+        ended = trio.Event()
+        self.releasing.setdefault(h.ino, set()).add(ended)
+        try:
+            await self.engine.files.release(h.of)
+        finally:
             try:
-                await self.engine.files.release(h.of)
-            finally:
                 if h.ino not in self.lookups:
                     await self.reap([h.ino])
+            finally:
+                others = self.releasing[h.ino]
+                others.discard(ended)
+                if not others:
+                    del self.releasing[h.ino]
+                ended.set()        # last: nothing awaits between this and the reply
+
+    async def _after_releases(self, inos) -> None:
+        """Return once no RELEASE of ``inos`` is in progress. The kernel sends RELEASE in
+        the background after close(2) has returned, so the unlink that follows a close can
+        reach us while the file is still being closed here (flushing its last writes: on a
+        full disk, failing slowly). The kernel forgets the inode, and so lets us delete it
+        and free its space, only after both replies; answering the unlink after the
+        release's makes the kernel send that FORGET before the unlink returns, so the
+        user's next call finds the space free, as on a local filesystem."""
+        for ino in inos:
+            for ended in list(self.releasing.get(ino, ())):
+                await ended.wait()
 
     @guard
     async def fsync(self, fh, datasync):
