@@ -268,16 +268,15 @@ def _prune_mirror_store(path: str, rules: str | None, prefix: str, dry_run: bool
     """Retention applied on the mirror's host, to its store (never the newest snapshot,
     the next cycle's base; never a replication base of its own, as --config keeps them:
     the store may be a source, or a mirror that replicates on)."""
-    import tomllib
     from mountfs import snapshots as snaps
     from mountfs.store import Store
     from replicator import mirror
-    from .retention import PolicyError, decide, parse_policy
+    from .retention import PolicyError, decide, parse_rules
     if not rules:
         fail("--store needs --retention RULES, e.g. --retention 'daily = 7, keep_last = 3'", 2)
     try:
-        policy = parse_policy(tomllib.loads(f"r = {{ {rules} }}")["r"])
-    except (tomllib.TOMLDecodeError, PolicyError) as e:
+        policy = parse_rules(rules)
+    except PolicyError as e:
         fail(f"--retention {rules!r}: {e}", 2)
     try:
         store = Store.open(path, readonly=dry_run, lock=not dry_run, holder="snapctl prune")

@@ -96,6 +96,23 @@ def parse_policy(raw) -> Policy:
     return policy
 
 
+def parse_rules(text: str) -> Policy:
+    """A policy written on a command line, in the config's words without the braces:
+    ``daily = 7, keep_last = 3``. A syntax error names the column of ``text`` itself (the
+    TOML parser's counts the braces this adds) and shows the form."""
+    import tomllib
+    opening = "r = { "
+    try:
+        raw = tomllib.loads(f"{opening}{text} }}")["r"]
+    except tomllib.TOMLDecodeError as e:
+        reason = re.sub(r"\s*\(at line 1, column (\d+)\)$",
+                        lambda m: f" at column {max(1, int(m[1]) - len(opening))}", str(e))
+        raise PolicyError(f"{reason}; write the rules as in the config, separated by commas, "
+                          f"e.g. 'daily = 7, keep_last = 3' or 'grid = \"24x1h | 7x1d\"'") \
+            from None
+    return parse_policy(raw)
+
+
 def parse_grid(text) -> list[GridBucket]:
     if not isinstance(text, str) or not text.strip():
         raise PolicyError("grid must be a string like '1x1h(keep=all) | 24x1h | 7x1d'")

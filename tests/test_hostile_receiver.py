@@ -440,9 +440,15 @@ def test_a_mirror_is_pruned_on_its_own_host(tmp_path):
         assert [s.name for s in snaps.list_all(txn, store.db)] == ["mine", "auto-manual",
                                                                    own[2]]
     store.close()
-    for bad in ("keep_last = -1", "keep_last = 0"):
+    for bad, reason in (("keep_last = -1", "keep_last must be a count"),
+                        ("keep_last = 0", "keep_last must be a count"),
+                        ("daily=7 keep_last=3", "Unclosed inline table at column 9; write "
+                                                "the rules as in the config, separated by "
+                                                "commas, e.g. 'daily = 7, keep_last = 3'"),
+                        ("daily: 7", "at column 6;")):
         res = prune("--retention", bad)
-        assert res.returncode == 2 and "keep_last must be a count" in res.stderr
+        assert res.returncode == 2 and f"--retention {bad!r}: " in res.stderr, res.stderr
+        assert reason in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1
 
 
