@@ -2,8 +2,9 @@
 every command line and by the daemon's config, so that what one accepts the other accepts too
 ("16M", "5m", plain numbers, "127.0.0.1:8765").
 
-Sizes are binary (K = 1024); durations take ms, s, m, h, d, w (no unit: seconds); addresses
-are HOST:PORT, an IPv6 host in brackets.
+Sizes are binary (K = 1024); durations take ms, s, m, h, d, w (no unit: seconds) and are
+more than 0 and at most MAX_DURATION (each is a timeout, an interval or a threshold: 0 or
+"forever" is a typo, not a setting); addresses are HOST:PORT, an IPv6 host in brackets.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+MAX_DURATION = 366 * 86400
 LISTEN = re.compile(r"^(?:\[([0-9A-Fa-f:.]+)\]|([\w.\-]+)):(\d+)$")
 
 
@@ -30,14 +32,19 @@ def parse_size(value: str | int) -> int:
 
 
 def parse_duration(value: str | int | float) -> float:
-    """Seconds from ``300``, ``"300"``, ``"5m"``, ``"1.5h"``, ``"250ms"``; ValueError otherwise."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return float(value)
-    m = DURATION.match(value) if isinstance(value, str) else None
-    if not m:
-        raise ValueError(f"expected a duration like 30s, 5m, 2h, 1d or a number of seconds "
-                         f"(got {value!r})")
-    return float(m.group(1)) * DURATION_UNITS[m.group(2)]
+    """Seconds from ``300``, ``"300"``, ``"5m"``, ``"1.5h"``, ``"250ms"``; ValueError otherwise,
+    also outside (0, MAX_DURATION]."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        m = DURATION.match(value) if isinstance(value, str) else None
+        if not m:
+            raise ValueError(f"expected a duration like 30s, 5m, 2h, 1d or a number of "
+                             f"seconds (got {value!r})")
+        seconds = float(m.group(1)) * DURATION_UNITS[m.group(2)]
+    if not 0 < seconds <= MAX_DURATION:         # NaN and infinity too
+        raise ValueError(f"must be more than 0 and at most 366d (got {value!r})")
+    return seconds
 
 
 class Address(NamedTuple):

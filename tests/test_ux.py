@@ -449,6 +449,12 @@ def test_one_parser_for_sizes_and_durations_and_a_thorough_check(tmp_path):
     mnt.rmdir()
     assert one_line_error(check(), code=2).endswith(
         f"filesystem 'data': mountpoint {mnt} does not exist or is not a directory")
+    # a duration the config refuses, the command line refuses too, in the same words
+    for args in (["replicate", "--to", "file:///nowhere", "--stall-timeout", "0"],
+                 ["replicate", "--to", "file:///nowhere", "--stall-timeout", "400d"],
+                 ["check", "--warning", "0s"]):
+        err = one_line_error(cli("snapctl", "-m", mnt, *args, check=False), code=2)
+        assert f"must be more than 0 and at most 366d (got '{args[-1]}')" in err, err
 
 
 # ---- 14: the docs stand on their own -------------------------------------------------------
