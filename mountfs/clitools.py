@@ -38,6 +38,15 @@ def escaped(name: str) -> str:
                    for c in name)
 
 
+def padded(text: str, width: int) -> str:
+    """``text`` padded with spaces to ``width`` terminal columns, as ``f"{text:<width}"``
+    would pad it if every character took one column: a CJK character takes two and a
+    combining accent none, so a column of such names lined up with nothing else."""
+    from wcwidth import wcswidth
+    shown = wcswidth(text)
+    return text + " " * (width - (shown if shown >= 0 else len(text)))
+
+
 def _hex(c: str) -> str:
     """``\\xHH`` is a byte (ASCII, or one that was not UTF-8: surrogateescape), ``\\u``
     and ``\\U`` a character: U+0085 and the byte 0x85 read differently."""

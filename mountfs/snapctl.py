@@ -19,8 +19,8 @@ import sys
 import click
 
 from . import control
-from .clitools import (CONTEXT, MOUNTPOINT, LazyGroup, escaped, fail, target_options,
-                       version_option)
+from .clitools import (CONTEXT, MOUNTPOINT, LazyGroup, escaped, fail, padded,
+                       target_options, version_option)
 from .mount import find_mount
 from .errors import StoreError
 from .units import human_bytes
@@ -201,7 +201,7 @@ def list_(ctx, as_json):
     for s in items:
         created = datetime.datetime.fromtimestamp(s["created_ns"] / 1e9).isoformat(
             sep=" ", timespec="seconds")
-        click.echo(f"{escaped(s['name']):<32} {s['epoch']:>8} "
+        click.echo(f"{padded(escaped(s['name']), 32)} {s['epoch']:>8} "
                    f"{human_bytes(s['written']):>9}  {created}")
 
 

@@ -42,6 +42,21 @@ def test_printable_names_are_kept_as_given(mounted):
     assert names == ["daily-2026-11-22", "café ☕", "with space"]
 
 
+def test_list_lines_up_names_of_wide_and_combining_characters(mounted):
+    """A CJK character takes two columns of a terminal and a combining accent none: the
+    EPOCH column starts at the same column whatever the names are made of."""
+    from wcwidth import wcswidth
+    names = ["plain", "日本語のスナップ", "cafe\u0301"]
+    for name in names:
+        mounted.snapctl("create", name)
+    lines = mounted.snapctl("list").stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == names
+    epochs = [len(line) - len(line[len(name):].lstrip(" ")) for line, name in
+              zip(lines[1:], names)]
+    # NAME is 32 columns wide, a space, then EPOCH right-aligned in 8: one digit at column 41
+    assert {wcswidth(line[:at]) for line, at in zip(lines[1:], epochs)} == {40}, lines
+
+
 @pytest.mark.parametrize("name", BAD + ["bad\udcff"])
 def test_the_one_rule_refuses_them_everywhere(name):
     """The receiver creates a mirror's snapshots through the same function."""
