@@ -90,6 +90,10 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
         overwrite = overwrites(info["mirror_of"], info["empty"])
         if overwrite and not force:
             raise not_a_mirror(mirror.url)
+        if overwrite and info.get("rights") == "replicate":
+            raise MirrorError(f"{mirror.url} is a mountfs store with files of its own, and "
+                              f"this token may only add snapshots: --force, which replaces "
+                              f"those files, needs the admin token (--token-file)")
         held = {s["uuid"]: s for s in info["snapshots"]}
         if snap.uuid.hex() in held:
             return CycleResult(snap.name, None, 0, 0, 0, 0, 0, time.monotonic() - started)

@@ -10,7 +10,7 @@ wire and decompressed, streamed with a hard cap) and parsed in a worker thread; 
 malformed request gets one 4xx with a one-line reason and one log line.
 
 API (version 1; bodies are zstd-compressed):
-  GET  /v1/info                 mirror identity, chunk size, snapshots (JSON)
+  GET  /v1/info                 mirror identity, chunk size, snapshots, the token's rights
   POST /v1/missing              digests (32 bytes each) -> the digests the mirror lacks
   POST /v1/chunks               frames of digest:32 + length:u32 + data -> staged, verified
   POST /v1/commit               {"source_uuid", "base_uuid", "snapshot", "changeset"} (JSON)
@@ -209,7 +209,11 @@ class Receiver:
     # ---- handlers --------------------------------------------------------------------------
 
     async def info(self, request: Request):
-        return JSONResponse(await self.read(mirror.info, self.store))
+        """What ``mirror.info`` says, and the rights of the token that asked ("admin" or
+        "replicate"): a client can refuse at once what this token would have refused only
+        at the commit, after every chunk was sent."""
+        info = await self.read(mirror.info, self.store)
+        return JSONResponse({**info, "rights": self.rights(request)})
 
     async def missing(self, request: Request):
         raw = await self.raw(request)
