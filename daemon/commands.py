@@ -247,8 +247,12 @@ def prune(ctx, config_path, retention, prefix, dry_run):
 
 def _apply(decisions, dry_run: bool, delete) -> None:
     """One line per snapshot: kept and why, or pruned; a prune is said only once
-    ``delete(name)`` has done it; one a program is reading (refused as in use) is kept."""
+    ``delete(name)`` has done it; one a program is reading (refused as in use) is kept.
+    No snapshot at all is said too: silence would read as a prune that did not run."""
     from mountfs.control import SnapshotInUse
+    decisions = list(decisions)
+    if not decisions:
+        click.echo("no snapshots; nothing to prune")
     for d in decisions:
         if d.keep:
             click.echo(f"keep  {d.name}: {', '.join(d.reasons)}")

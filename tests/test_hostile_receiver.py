@@ -430,6 +430,12 @@ def test_a_mirror_is_pruned_on_its_own_host(tmp_path):
         return subprocess.run([sys.executable, "-m", "cmdline.snapctl", "prune", "--store",
                                str(tmp_path / "m"), *args], capture_output=True, text=True,
                               timeout=60)
+    Store.mkfs(tmp_path / "empty", CHUNK)
+    res = subprocess.run([sys.executable, "-m", "cmdline.snapctl", "prune", "--store",
+                          str(tmp_path / "empty"), "--retention", "keep_last = 1"],
+                         capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stdout, res.stderr) == (0, "no snapshots; nothing to prune\n",
+                                                        "")
     res = prune("--retention", "keep_last = 1")
     assert res.stdout.splitlines() == [f"prune {own[0]}",
                                        "keep  mine: made by a user (prune_user is off)",
