@@ -14,7 +14,7 @@ import click
 
 from mountfs.clitools import CONTEXT, DURATION, fail, mountpoint_option, target_options
 from mountfs.mount import find_mount
-from mountfs.snapshots import DAEMON_PREFIX
+from mountfs.snapnames import DAEMON_PREFIX, is_stamped
 from mountfs.store import StoreError
 
 from . import config as config_mod
@@ -290,7 +290,7 @@ def _prune_mirror_store(path: str, rules: str | None, prefix: str, dry_run: bool
         with store.read() as txn:
             held, protected = snaps.list_all(txn, store.db), snaps.bases(txn, store.db)
         _apply(decide(policy, [(s.name, s.created_ns) for s in held], time.time_ns(),
-                      own=lambda n: snaps.is_stamped(n, prefix), protected=protected),
+                      own=lambda n: is_stamped(n, prefix), protected=protected),
                dry_run, lambda name: mirror.delete_snapshot(store, name))
     except StoreError as e:
         fail(str(e))

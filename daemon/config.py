@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import SplitResult, urlsplit
 
-from mountfs.snapshots import DAEMON_PREFIX
+from mountfs.snapnames import DAEMON_PREFIX
 from mountfs.units import Address, parse_duration, parse_listen, parse_size
 
 from .retention import Policy, PolicyError, parse_policy

@@ -25,7 +25,7 @@ import trio
 
 from mountfs import control
 from mountfs.mount import find_mount
-from mountfs.snapshots import is_stamped, stamped_name
+from mountfs.snapnames import is_stamped, stamped_name
 from mountfs.store import Store, StoreError
 from replicator import transfer
 from replicator.cycle import replicate

@@ -14,7 +14,6 @@ import ctypes
 import json
 import os
 import posixpath
-import sys
 
 import click
 
@@ -150,7 +149,7 @@ def create(ctx, name):
 
     Names of the form of mountfsd's own (auto-YYYYmmddTHHMMSS.ffffffZ) are refused: the
     daemon would prune them as its own."""
-    from .snapshots import refuse_daemon_name
+    from .snapnames import refuse_daemon_name
     try:
         refuse_daemon_name(name)
         snap = create_snapshot(target_of(ctx), name)

@@ -7,9 +7,7 @@ These functions are used by the mount's control server and by snapctl on an unmo
 
 from __future__ import annotations
 
-import datetime as dt
 import os
-import re
 import stat
 import time
 import uuid as uuidlib
@@ -17,11 +15,8 @@ from dataclasses import dataclass, field, replace
 
 from . import schema as S
 from .namespace import FsError, Live, View, add_written, written
+from .snapnames import SnapshotError
 from .store import StoreError, delete_live, get_version, put_live
-
-
-class SnapshotError(StoreError):
-    """A user-facing snapshot error (bad name, unknown snapshot, existing target)."""
 
 
 # Characters that would let a name rewrite what `snapctl list` shows: C0 and C1 controls
@@ -48,32 +43,6 @@ def validate_name(name: str) -> bytes:
     if len(raw) > S.NAME_MAX:
         raise SnapshotError(f"snapshot name is {len(raw)} bytes long; the limit is {S.NAME_MAX}")
     return raw
-
-
-DAEMON_PREFIX = "auto-"          # mountfsd's snapshot_prefix unless its config says otherwise
-_STAMP = "%Y%m%dT%H%M%S.%fZ"
-_STAMP_FORM = re.compile(r"[0-9]{8}T[0-9]{6}\.[0-9]{6}Z")
-
-
-def stamped_name(prefix: str) -> str:
-    """``prefix`` and the UTC time to the microsecond: how mountfsd (and replicate, with
-    ``repl-``) name the snapshots they take."""
-    return prefix + dt.datetime.now(dt.timezone.utc).strftime(_STAMP)
-
-
-def is_stamped(name: str, prefix: str) -> bool:
-    """Whether ``name`` is exactly of the form ``stamped_name(prefix)`` gives. The daemon
-    prunes only such names: a prefix alone would also match a user's 'auto-manual'."""
-    return name.startswith(prefix) and _STAMP_FORM.fullmatch(name[len(prefix):]) is not None
-
-
-def refuse_daemon_name(name: str) -> None:
-    """A user's snapshot must not look like the daemon's (default prefix): it would be
-    pruned as the daemon's own."""
-    if is_stamped(name, DAEMON_PREFIX):
-        raise SnapshotError(f"{name!r} has the form of mountfsd's own snapshot names "
-                            f"({DAEMON_PREFIX}YYYYmmddTHHMMSS.ffffffZ): the daemon would treat "
-                            f"it as its own and prune it; choose another name")
 
 
 def live_epoch(txn, dbs) -> int:
@@ -439,8 +408,8 @@ def remove_tree(live: Live, parent: int, name: bytes, keep_orphans: bool
     return orphans, removed
 
 
-__all__ = ["SnapshotError", "validate_name", "stamped_name", "is_stamped",
-           "refuse_daemon_name", "DAEMON_PREFIX", "bases", "create", "list_all", "get", "delete", "rollback",
+__all__ = ["SnapshotError", "validate_name", "bases", "create", "list_all", "get", "delete",
+           "rollback",
            "restore_path", "restore_target", "Restored", "remove_tree", "retained_epochs",
            "Rollback"]
 

@@ -90,7 +90,7 @@ def open_checked_mirror(where: snapctl.Target, url: str, token_file, ca_file,
 
 def _new_snapshot_name() -> str:
     """``repl-`` and the UTC time to the microsecond."""
-    from mountfs.snapshots import stamped_name
+    from mountfs.snapnames import stamped_name
     return stamped_name("repl-")
 
 

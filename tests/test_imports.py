@@ -31,6 +31,21 @@ def test_the_create_command_loads_neither_replicator_daemon_spark_trio_nor_fuse(
     assert loaded.isdisjoint(HEAVY), sorted(loaded & set(HEAVY))
 
 
+def test_a_snapshot_taken_by_snapctl_create_loads_no_store_code(mounted):
+    """Running, not only loading: the client checks the name and asks the mount, so LMDB,
+    the hashes and the rest of the store (snapshots, namespace) stay unloaded; they were
+    two thirds of its imports while it read the daemon's name form from them."""
+    code = (f"import sys\nsys.argv = ['snapctl', '-m', {str(mounted.mnt)!r}, 'create', 's1']\n"
+            "from cmdline.snapctl import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n")
+    res = subprocess.run([sys.executable, "-c", code + "print(' '.join(sorted(sys.modules)))"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0 and res.stdout.startswith("created snapshot s1"), res
+    modules = set(res.stdout.splitlines()[-1].split())
+    assert {m.split(".")[0] for m in modules}.isdisjoint(HEAVY), sorted(modules)
+    assert {"mountfs.snapshots", "mountfs.namespace", "mountfs.store"}.isdisjoint(modules)
+
+
 @pytest.mark.parametrize("command, allowed", [
     ("replicate", {"replicator", "lmdb", "blake3"}),        # the machinery loads when it runs
     ("status", {"daemon", "lmdb", "blake3"}),
