@@ -15,6 +15,7 @@ instead of killing the mount (pyfuse3 only catches FUSEError).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -640,20 +641,27 @@ class Operations(pyfuse3.Operations):
         h = self.handles.pop(fh)
         if h.of is None:
             return
-        ended = trio.Event()
-        self.releasing.setdefault(h.ino, set()).add(ended)
-        try:
-            await self.engine.files.release(h.of)
-        finally:
+        with self._releasing(h.ino):
             try:
+                await self.engine.files.release(h.of)
+            finally:
                 if h.ino not in self.lookups:
                     await self.reap([h.ino])
-            finally:
-                others = self.releasing[h.ino]
-                others.discard(ended)
-                if not others:
-                    del self.releasing[h.ino]
-                ended.set()        # last: nothing awaits between this and the reply
+
+    @contextlib.contextmanager
+    def _releasing(self, ino: int):
+        """A RELEASE of ``ino`` in progress, for ``_after_releases``. It ends last: nothing
+        awaits between its end and the reply."""
+        ended = trio.Event()
+        self.releasing.setdefault(ino, set()).add(ended)
+        try:
+            yield
+        finally:
+            others = self.releasing[ino]
+            others.discard(ended)
+            if not others:
+                del self.releasing[ino]
+            ended.set()
 
     async def _after_releases(self, inos) -> None:
         """Return once no RELEASE of ``inos`` is in progress. The kernel sends RELEASE in

@@ -43,7 +43,8 @@ def parse_duration(value: str | int | float) -> float:
                              f"seconds (got {value!r})")
         seconds = float(m.group(1)) * DURATION_UNITS[m.group(2)]
     if not 0 < seconds <= MAX_DURATION:         # NaN and infinity too
-        raise ValueError(f"must be more than 0 and at most 366d (got {value!r})")
+        raise ValueError(f"must be more than 0 and at most {MAX_DURATION // 86400}d "
+                         f"(got {value!r})")
     return seconds
 
 
