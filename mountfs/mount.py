@@ -31,9 +31,10 @@ FSTYPE = "fuse.mountfs"
 GIL_SWITCH = 0.0005
 # KiB the kernel reads ahead of a sequential reader. Its default on a FUSE mount is 128 KiB:
 # a cold read then waits for every chunk's disk reads and digest check in turn (874-960
-# MB/s for 1 GiB here); with 1 MiB the next chunk's requests overlap them (1,330-1,539 MB/s,
-# docs/benchmarks.md). Set through sysfs, so only when run as root.
-READAHEAD_KIB = 1024
+# MB/s for 1 GiB here); with 1 MiB the next chunk's requests overlap them (1,330-1,539 MB/s),
+# and with 4 MiB the next four chunks' (858 -> 974 MB/s on the second machine, random reads
+# unchanged; docs/benchmarks.md, twentieth round). Set through sysfs, so only as root.
+READAHEAD_KIB = 4096
 
 
 @dataclass
