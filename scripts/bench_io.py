@@ -118,7 +118,8 @@ def machine_info(path: Path) -> str:
     df = run("df", "-T", path).stdout.splitlines()[-1].split()
     return (f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
             f"{os.cpu_count()} CPUs ({cpu}), {mem_gib:.0f} GiB RAM; disk {df[0]} ({df[1]}); "
-            f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+            f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; free page "
+            f"reporting {'suspended in timed runs' if PAGE_REPORTING.exists() else 'absent'}")
 
 
 def print_table(title: str, header: list[str], rows: list[list]) -> None:
@@ -184,13 +185,12 @@ def read_file(path: Path, block: int) -> tuple[float, int]:
 def seq_pair(work: Workdir, target: Path, size: int, block: int, remount=None) -> dict:
     """Write then read one file at ``target``: MB/s each. The page cache is dropped in
     between (and the mount remounted, when ``remount`` is given, so nothing is cached in the
-    mount process either), into pages the VM keeps (``pages_kept``)."""
+    mount process either)."""
     w = write_file(target, size, block)
-    with pages_kept(2 * size + (512 << 20)):
-        if remount:
-            remount()
-        drop_caches()
-        r, got = read_file(target, block)
+    if remount:
+        remount()
+    drop_caches()
+    r, got = read_file(target, block)
     if got != size:
         raise RuntimeError(f"read {got} bytes of {target}, wrote {size}")
     os.unlink(target)
@@ -201,18 +201,18 @@ PAGE_REPORTING = Path("/sys/module/page_reporting/parameters/page_reporting_orde
 
 
 @contextlib.contextmanager
-def pages_kept(nbytes: int):
+def pages_kept(nbytes: int = 3 << 30):
     """Pages freed inside this block stay the VM's; ``nbytes`` of them are made so first.
+    Every timed run of a three-way figure is made inside one.
 
-    On a VM with free page reporting (virtio-balloon feature bit 5, this benchmark's
-    machine), the pages drop_caches frees go back to the host within seconds, and the first
-    touch of each page filled afterwards is a host fault (~2.5 us per 4 KiB, counted as
-    the user time of whichever thread touches it). A cold read then pays one per page of
-    the data file and of the FUSE page cache: the plain directory and the mount do, the
-    floor (its data in its own memory) only for the latter. Here reporting is suspended
-    (an order above the largest, restored on exit) and ``nbytes`` of memory filled and
-    freed, so that the read measures the filesystem; docs/benchmarks.md, twentieth round.
-    Where there is no reporting, only the filling happens, which changes nothing."""
+    On a VM with free page reporting (virtio-balloon feature bit 5: this benchmark's
+    machine), free pages go back to the host within seconds, and filling the page cache
+    with them is slow: a cold 1 GiB read from a plain directory made 539-705 MB/s in pages
+    reported back, 1,840-1,926 in pages kept (docs/benchmarks.md, twentieth round). Which
+    ones a run gets depends on what was freed how long before (drop_caches frees gigabytes),
+    so each figure moved with the run. Here reporting is suspended (an order above the
+    largest; restored on exit) and ``nbytes`` of memory filled and freed, so that every
+    run of every side fills pages the VM has. Without reporting, only the filling happens."""
     try:
         order = PAGE_REPORTING.read_text()
         PAGE_REPORTING.write_text("11\n")       # MAX_PAGE_ORDER + 1: nothing is reported
@@ -267,10 +267,12 @@ def seq_compare(work: Workdir, size: int, block: int, repeat: int,
     plain.mkdir(exist_ok=True)
     base, mnt = [], []
     for _ in range(repeat):
-        base.append(seq_pair(work, plain / "big", size, block))
+        with pages_kept():
+            base.append(seq_pair(work, plain / "big", size, block))
         m = MountedStore(work, f"seq{chunk_size}", chunk_size=chunk_size)
         try:
-            mnt.append(seq_pair(work, m.mnt / "big", size, block, remount=m.remount))
+            with pages_kept():
+                mnt.append(seq_pair(work, m.mnt / "big", size, block, remount=m.remount))
         finally:
             m.close()
     return medians(mnt), medians(base)
@@ -453,6 +455,12 @@ FLOOR_OPTIONS: list[str] = []     # nullfs.py options matching mountfs's kernel-
 SIDES = ("plain", "floor", "mount")     # what three_way measures, in its order
 
 
+def kept(measure, *args) -> dict:
+    """``measure(*args)`` in pages the VM keeps (``pages_kept``)."""
+    with pages_kept():
+        return measure(*args)
+
+
 def three_way(work: Workdir, label: str, measure, repeat: int = 1) -> dict:
     """``measure(root, remount)`` -> {figure: value} on a plain directory, the floor and a
     fresh mount, in that order, ``repeat`` times over: each figure is the median of its runs
@@ -463,17 +471,17 @@ def three_way(work: Workdir, label: str, measure, repeat: int = 1) -> dict:
         plain = work.path / f"plain-{label}"
         plain.mkdir()
         try:
-            runs["plain"].append(measure(plain, None))
+            runs["plain"].append(kept(measure, plain, None))
         finally:
             shutil.rmtree(plain)
         floor = Floor(work)
         try:
-            runs["floor"].append(measure(floor.mnt, None))
+            runs["floor"].append(kept(measure, floor.mnt, None))
         finally:
             floor.close()
         m = MountedStore(work, label)
         try:
-            runs["mount"].append(measure(m.mnt, m.remount))
+            runs["mount"].append(kept(measure, m.mnt, m.remount))
         finally:
             m.close()
     return {**{t: medians(r) for t, r in runs.items()}, "runs": runs}
@@ -662,8 +670,7 @@ def bench_seq3(work: Workdir, size: int, block: int, repeat: int, res: Results) 
                                                                     block, remount), repeat)
     res.add("sequential", figures)
     print_three_way(f"sequential I/O, {size // MiB} MiB file in {block // 1024} KiB blocks, "
-                    f"MB/s (write includes fsync+close; caches dropped before the read, into pages the VM "
-                    f"keeps: pages_kept)",
+                    f"MB/s (write includes fsync+close; caches dropped before the read)",
                     figures,
                     [("write_mbs", "seq write MB/s", True), ("read_mbs", "seq read MB/s", True)],
                     lambda k, f: verdict(f["mount"][k] >= 0.4 * f["plain"][k]
