@@ -230,6 +230,37 @@ def pages_kept(nbytes: int = 3 << 30):
             PAGE_REPORTING.write_text(order)
 
 
+HALT_POLL_NS = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def halt_polling(ns: int | None):
+    """With ``ns``, an idle CPU of this VM guest polls that long before it halts (a halt is
+    a VM exit, and waking the CPU again another): restored on exit. On this benchmark's
+    machine the kernel's command line sets 0, and every FUSE request that wakes the
+    filesystem's thread on the other CPU pays for both; docs/benchmarks.md, twentieth
+    round."""
+    before = _read(HALT_POLL_NS)
+    if ns is None:
+        yield
+        return
+    if before is None:
+        raise SystemExit(f"--guest-halt-poll-ns: {HALT_POLL_NS} is missing (not a VM guest "
+                         f"with the haltpoll idle driver); run without it")
+    HALT_POLL_NS.write_text(f"{ns}\n")
+    try:
+        yield
+    finally:
+        HALT_POLL_NS.write_text(f"{before}\n")
+
+
 class MountedStore:
     """A fresh store mounted in the work directory."""
 
@@ -710,6 +741,10 @@ def parse_args(argv=None):
                         "both, not tmpfs (default: %(default)s)")
     p.add_argument("--floor-writeback", action="store_true",
                    help="mount the floor with the writeback cache (what it would give mountfs)")
+    p.add_argument("--guest-halt-poll-ns", type=int, metavar="NS",
+                   help="on a VM guest with the haltpoll idle driver, poll this long before "
+                        "halting an idle CPU for the whole run (restored after): cheap "
+                        "wake-ups, where each FUSE request wakes the filesystem's thread")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -729,9 +764,10 @@ def main(argv=None) -> int:
     if args.floor_writeback:
         FLOOR_OPTIONS.append("--writeback")
     res = Results("bench_io", vars(args))
-    with Workdir(args.workdir, "bench-io") as work:
+    with Workdir(args.workdir, "bench-io") as work, halt_polling(args.guest_halt_poll_ns):
         print(f"{machine_info(work.path)}; free page reporting "
-              f"{'suspended in timed runs' if PAGE_REPORTING.exists() else 'absent'}")
+              f"{'suspended in timed runs' if PAGE_REPORTING.exists() else 'absent'}; "
+              f"guest halt polling {_read(HALT_POLL_NS) or 'absent'} ns")
         if "untar" in only:
             bench_untar(work, args.repeat, res)
         if "git" in only:
