@@ -409,9 +409,8 @@ def remove_tree(live: Live, parent: int, name: bytes, keep_orphans: bool
 
 
 __all__ = ["SnapshotError", "validate_name", "bases", "create", "list_all", "get", "delete",
-           "rollback",
-           "restore_path", "restore_target", "Restored", "remove_tree", "retained_epochs",
-           "Rollback"]
+           "rollback", "restore_path", "restore_target", "Restored", "remove_tree",
+           "retained_epochs", "Rollback"]
 
 
 # ---- changes of the live tree too big for one transaction --------------------------------------

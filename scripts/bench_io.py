@@ -200,6 +200,14 @@ def seq_pair(work: Workdir, target: Path, size: int, block: int, remount=None) -
 PAGE_REPORTING = Path("/sys/module/page_reporting/parameters/page_reporting_order")
 
 
+def _read(path: Path) -> str | None:
+    """A kernel parameter's value; None where the kernel has no such parameter."""
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
 @contextlib.contextmanager
 def pages_kept(nbytes: int = 3 << 30):
     """Pages freed inside this block stay the VM's; ``nbytes`` of them are made so first.
@@ -213,11 +221,9 @@ def pages_kept(nbytes: int = 3 << 30):
     so each figure moved with the run. Here reporting is suspended (an order above the
     largest; restored on exit) and ``nbytes`` of memory filled and freed, so that every
     run of every side fills pages the VM has. Without reporting, only the filling happens."""
-    try:
-        order = PAGE_REPORTING.read_text()
+    order = _read(PAGE_REPORTING)
+    if order is not None:
         PAGE_REPORTING.write_text("11\n")       # MAX_PAGE_ORDER + 1: nothing is reported
-    except OSError:
-        order = None
     try:
         with open("/proc/meminfo") as meminfo:
             avail = next(int(line.split()[1]) << 10 for line in meminfo
@@ -227,17 +233,16 @@ def pages_kept(nbytes: int = 3 << 30):
         yield
     finally:
         if order is not None:
-            PAGE_REPORTING.write_text(order)
+            PAGE_REPORTING.write_text(f"{order}\n")
+
+
+def kept(measure, *args) -> dict:
+    """``measure(*args)`` in pages the VM keeps (``pages_kept``)."""
+    with pages_kept():
+        return measure(*args)
 
 
 HALT_POLL_NS = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
 
 
 @contextlib.contextmanager
@@ -247,10 +252,10 @@ def halt_polling(ns: int | None):
     machine the kernel's command line sets 0, and every FUSE request that wakes the
     filesystem's thread on the other CPU pays for both; docs/benchmarks.md, twentieth
     round."""
-    before = _read(HALT_POLL_NS)
     if ns is None:
         yield
         return
+    before = _read(HALT_POLL_NS)
     if before is None:
         raise SystemExit(f"--guest-halt-poll-ns: {HALT_POLL_NS} is missing (not a VM guest "
                          f"with the haltpoll idle driver); run without it")
@@ -298,12 +303,10 @@ def seq_compare(work: Workdir, size: int, block: int, repeat: int,
     plain.mkdir(exist_ok=True)
     base, mnt = [], []
     for _ in range(repeat):
-        with pages_kept():
-            base.append(seq_pair(work, plain / "big", size, block))
+        base.append(kept(seq_pair, work, plain / "big", size, block))
         m = MountedStore(work, f"seq{chunk_size}", chunk_size=chunk_size)
         try:
-            with pages_kept():
-                mnt.append(seq_pair(work, m.mnt / "big", size, block, remount=m.remount))
+            mnt.append(kept(seq_pair, work, m.mnt / "big", size, block, m.remount))
         finally:
             m.close()
     return medians(mnt), medians(base)
@@ -484,12 +487,6 @@ FLOOR_OPTIONS: list[str] = []     # nullfs.py options matching mountfs's kernel-
 
 
 SIDES = ("plain", "floor", "mount")     # what three_way measures, in its order
-
-
-def kept(measure, *args) -> dict:
-    """``measure(*args)`` in pages the VM keeps (``pages_kept``)."""
-    with pages_kept():
-        return measure(*args)
 
 
 def three_way(work: Workdir, label: str, measure, repeat: int = 1) -> dict:
@@ -711,6 +708,12 @@ def bench_seq3(work: Workdir, size: int, block: int, repeat: int, res: Results) 
 
 # ---- main ------------------------------------------------------------------------------------
 
+def _nanoseconds(text: str) -> int:
+    if not text.isdigit() or int(text) > 10**9:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole nanoseconds, 0 to 1000000000")
+    return int(text)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -741,7 +744,7 @@ def parse_args(argv=None):
                         "both, not tmpfs (default: %(default)s)")
     p.add_argument("--floor-writeback", action="store_true",
                    help="mount the floor with the writeback cache (what it would give mountfs)")
-    p.add_argument("--guest-halt-poll-ns", type=int, metavar="NS",
+    p.add_argument("--guest-halt-poll-ns", type=_nanoseconds, metavar="NS",
                    help="on a VM guest with the haltpoll idle driver, poll this long before "
                         "halting an idle CPU for the whole run (restored after): cheap "
                         "wake-ups, where each FUSE request wakes the filesystem's thread")
