@@ -286,7 +286,8 @@ class Engine:
             self._committer.answers_early() and \
             (not nbytes or self._posted_bytes + nbytes <= POSTED_BYTES)
 
-    def post(self, fn, *args, marks, records: dict | None = None, nbytes: int = 0) -> None:
+    def post(self, fn, *args, marks, records: dict | None = None, nbytes: int = 0,
+             merge=None) -> None:
         """Queue ``fn(live, *args)`` as a step and return at once: for changes whose
         outcome the caller already knows (creates, unlinks, attributes, a closed file's
         chunks), so the call is answered without a round trip to the committer. Only when
@@ -299,7 +300,14 @@ class Engine:
         ``known_inode`` and ``known_entry`` answer meanwhile: inode -> its record,
         (directory, name) -> the inode it names (0: none). A mark without one is read
         through the committer. A posted step that fails is a change lost after its
-        answer, like a failed commit: the committer then refuses every later change."""
+        answer, like a failed commit: the committer then refuses every later change.
+
+        ``merge(args, later)``: the arguments of one step doing what ``fn`` with ``args``
+        then with ``later`` do, or None. With it, a change posted right after another of
+        ``fn`` with the same marks joins that step while it is not yet sent (tar's three
+        SETATTRs of a file become one step)."""
+        if merge is not None and self._merged(fn, args, marks, records, merge):
+            return
         step = Step(LIVE, fn, args, nbytes, posted=marks)
         for key, value in (records or {}).items():     # first: a record that cannot be
             step.predicted[key] = value.pack_at(self.live) \
@@ -312,6 +320,23 @@ class Engine:
             self._posted[mark] = self._posted.get(mark, 0) + 1
             self._records.pop(mark, None)
         self._records.update(step.predicted)
+
+    def _merged(self, fn, args, marks, records, merge) -> bool:
+        """Join the change to the last posted step if it is ``fn``'s, with the same marks
+        and no chunk data, and not yet sent (see ``post``)."""
+        step = self._committer.held()
+        if step is None or step.fn is not fn or step.posted != marks or step.nbytes:
+            return False
+        joined = merge(step.args, args)
+        if joined is None:
+            return False
+        step.args = joined
+        for key, value in (records or {}).items():
+            step.predicted[key] = value.pack_at(self.live) \
+                if isinstance(value, S.Inode) else value
+        self.changes += 1
+        self._records.update(step.predicted)
+        return True
 
     async def mutate_in_thread(self, fn, *args):
         """Run ``fn(txn, dbs, *args)`` in a transaction of its own, committed before it

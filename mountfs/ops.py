@@ -335,7 +335,8 @@ class Operations(pyfuse3.Operations):
         if rec is None:
             return None
         new = _changed(rec, changes)
-        self.engine.post(_setattr, ino, changes, marks=(ino,), records={ino: new})
+        self.engine.post(_setattr, ino, changes, marks=(ino,), records={ino: new},
+                         merge=_joined_setattrs)
         return new
 
     async def _truncate(self, ino: int, size: int) -> None:
@@ -891,6 +892,13 @@ def _destroy_orphans(live, inos: list[int]) -> int:
 def _setattr(live, ino: int, changes: dict) -> S.Inode:
     """A step: see ``_changed``."""
     return live.save(ino, _changed(live.get(ino), changes))
+
+
+def _joined_setattrs(args: tuple, later: tuple) -> tuple | None:
+    """One ``_setattr`` doing what ``args`` then ``later`` do: to the same inode, the
+    later values win (``_changed`` sets each field to the value given)."""
+    (ino, changes), (later_ino, later_changes) = args, later
+    return (ino, {**changes, **later_changes}) if ino == later_ino else None
 
 
 def _create(live, now: int, ino: int, *args) -> None:

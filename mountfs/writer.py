@@ -117,6 +117,7 @@ class WriterProcess:
         self._proc: subprocess.Popen | None = None
         self._out_fd = -1
         self._unsent: deque = deque()       # pieces of frames waiting for _flush_unsent
+        self._held: Step | None = None      # the last posted step, not yet framed (``held``)
         self._raw_unsent = 0                # frames with chunk data among them
         self._in_trio = False               # started in trio: the pipe is non-blocking
         self._flushing = False              # _flush_unsent is writing (in a worker thread)
@@ -153,6 +154,7 @@ class WriterProcess:
 
     def put(self, step: Step) -> None:
         """Send a step whose caller waits for it: written now if the pipe has room."""
+        self._frame_held()
         self._send(PUT, step, now=True)
 
     def post(self, step: Step) -> None:
@@ -160,8 +162,25 @@ class WriterProcess:
         call that posted it is answered, with the others posted meanwhile (or at once
         with the next ``put``). Writing to the pipe took about 9 µs of the trio thread per
         step (two per created file) and woke the writer each time; nothing waits for a
-        posted step."""
-        self._send(POST, step, now=False)
+        posted step. In trio the step is framed only when the next one is sent or the
+        posted steps go (``held``), unless it carries chunk data."""
+        self._frame_held()
+        if not self._in_trio or step.nbytes:
+            self._send(POST, step, now=False)
+            return
+        self._held = step
+        self._room.set()
+
+    def held(self) -> Step | None:
+        """The last posted step if it is not yet framed: the caller may still change its
+        arguments (``Engine.post``'s ``merge``). Nothing was sent after it."""
+        return self._held
+
+    def _frame_held(self) -> None:
+        """Frame the held step (``post``) after everything sent before it."""
+        step, self._held = self._held, None
+        if step is not None:
+            self._send(POST, step, now=False)
 
     def answers_early(self) -> bool:
         return self._answers_early and self.failed is None
@@ -170,6 +189,7 @@ class WriterProcess:
         """Have the writer commit what is open and exit; wait for it (idempotent)."""
         if self._proc is None:
             return
+        self._frame_held()      # after everything unsent, with it
         if self._proc.poll() is None:
             with contextlib.suppress(OSError):     # it died: the reader thread has said so
                 os.set_blocking(self._out_fd, True)
@@ -236,6 +256,7 @@ class WriterProcess:
             if not self._raw_unsent:
                 await trio.sleep(POST_DELAY)
             self._room = trio.Event()
+            self._frame_held()
             if not self._raw_unsent:
                 try:
                     self._write_small()

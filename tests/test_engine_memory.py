@@ -20,8 +20,8 @@ import trio
 
 from conftest import cli
 from mountfs.engine import Engine
-from mountfs.namespace import FsError
-from mountfs.ops import Operations
+from mountfs.namespace import FsError, View
+from mountfs.ops import Operations, _setattr
 from mountfs.store import Store
 from mountfs.writer import _unreadable
 
@@ -131,6 +131,81 @@ def test_a_failed_posted_step_leaves_nothing_either(tmp_path):
 
     _run_engine(path, body)
     assert left == EMPTY
+
+
+def _fields(**set_) -> types.SimpleNamespace:
+    """The fields of a SETATTR request (pyfuse3.SetattrFields), those named set."""
+    names = ("size", "mode", "uid", "gid", "atime", "mtime", "ctime")
+    return types.SimpleNamespace(**{f"update_{n}": n in set_ for n in names})
+
+
+async def _tar_attributes(ops: Operations, ino: int, fh: int, mtime: int, mode: int,
+                          ctx) -> None:
+    """What tar sends for each file it extracts, before the close: futimens, fchown,
+    fchmod."""
+    await ops.setattr(ino, types.SimpleNamespace(st_mtime_ns=mtime), _fields(mtime=1), fh,
+                      ctx)
+    await ops.setattr(ino, types.SimpleNamespace(st_uid=ctx.uid, st_gid=ctx.gid),
+                      _fields(uid=1, gid=1), fh, ctx)
+    await ops.setattr(ino, types.SimpleNamespace(st_mode=mode), _fields(mode=1), fh, ctx)
+
+
+def test_consecutive_attribute_changes_of_a_file_are_one_step(tmp_path):
+    """tar's three attribute calls per file are posted one after the other: they join in
+    one step while it waits to go to the writer, so the writer runs one step per file,
+    not three (docs/benchmarks.md, twenty-first round). A change of another inode in
+    between keeps them apart; of two modes in a row the later one stays. What the store holds is what each call answered, and the
+    engine keeps nothing of them once committed."""
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    setattrs, answered, left = [], {}, {}
+
+    async def body(engine: Engine, ops: Operations, ctx) -> None:
+        ran = engine._ran
+
+        def counted(steps, committed):
+            setattrs.extend(step for step in steps if step.fn is _setattr)
+            ran(steps, committed)
+        engine._ran = counted
+        for i in range(40):
+            info, attrs = await ops.create(1, b"f%d" % i, 0o600, os.O_WRONLY, ctx)
+            await ops.write(info.fh, 0, b"x" * (100 + i))
+            await _tar_attributes(ops, attrs.st_ino, info.fh, 1_000_000_007 * (i + 1),
+                                  0o640 + i % 8, ctx)
+            await ops.flush(info.fh)
+            await ops.release(info.fh)
+        a, b = (await ops.lookup(1, b"f0", ctx)).st_ino, (await ops.lookup(1, b"f1", ctx)).st_ino
+        for ino, mode in ((a, 0o600), (b, 0o604), (a, 0o602), (a, 0o606)):  # three steps
+            await ops.setattr(ino, types.SimpleNamespace(st_mode=mode), _fields(mode=1),
+                              None, ctx)
+        for i in range(40):
+            attrs = await ops.lookup(1, b"f%d" % i, ctx)
+            answered[i] = (attrs.st_mode, attrs.st_mtime_ns, attrs.st_size,
+                           attrs.st_ctime_ns)
+        await engine.sync()
+        left.update(_memory(engine))
+
+    _run_engine(path, body)
+    assert len(setattrs) == 40 + 3, f"{len(setattrs)} attribute steps ran for 40 files' " \
+        f"three calls each and three calls apart"
+    assert left == EMPTY
+    expected = {i: (0o100000 | (0o640 + i % 8), 1_000_000_007 * (i + 1), 100 + i)
+                for i in range(40)}
+    expected[0] = (0o100606,) + expected[0][1:]
+    expected[1] = (0o100604,) + expected[1][1:]
+    assert {i: a[:3] for i, a in answered.items()} == expected
+    store = Store.open(path, readonly=True)
+    try:
+        with store.read() as txn:
+            view = View(txn, store.db, store.live_epoch(txn), store.chunk_size)
+            stored = {}
+            for i in range(40):
+                rec = view.get(view.lookup(1, b"f%d" % i))
+                stored[i] = (rec.mode, rec.mtime_ns, rec.size, rec.ctime_ns)
+    finally:
+        store.close()
+    assert stored == answered
+    cli("mountfs", "fsck", path)
 
 
 def _reads(engine: Engine) -> list:

@@ -125,6 +125,80 @@ def _lost_only_the_last_moments(lost: list[bool], answered: list[float], killed:
                                 f"answered {lost_for:.2f} s before the kill")
 
 
+def _change_attributes(files, seconds: float) -> list[float]:
+    """For ``seconds``: change i sets the mtime and then the mode of ``files[i % len]``
+    (two calls in a row on one file, which join in one step), each to a value of i;
+    when each change was answered."""
+    answered = []
+    for i in _for_seconds(seconds):
+        f = files[i % len(files)]
+        os.utime(f, ns=(0, 1_000_000_000 + i))
+        os.chmod(f, 0o400 | i % 0o100)
+        answered.append(time.monotonic())
+    return answered
+
+
+def _changes_kept(files, count: int) -> list[bool]:
+    """Whether each of ``count`` changes (``_change_attributes``) is in the files: its
+    file shows it or a later one, whose mode goes with its mtime."""
+    last = {}
+    for f in files:
+        st = os.stat(f)
+        i = st.st_mtime_ns - 1_000_000_000
+        assert i < 0 or stat.S_IMODE(st.st_mode) == 0o400 | i % 0o100, \
+            f"{f.name}: the mode of change {i} was lost, its mtime kept"
+        last[f] = i
+    return [last[files[i % len(files)]] >= i for i in range(count)]
+
+
+def test_kill9_takes_back_only_the_last_attribute_changes(mounted):
+    """Attribute calls in a row on one file join in one step that waits in the mount
+    until the next change goes (Engine.post's merge): kill -9 may take back only the last
+    moments of them, a suffix, like any other change."""
+    d = mounted.mnt / "d"
+    d.mkdir()
+    files = [d / f"f{i}" for i in range(8)]
+    for f in files:
+        f.write_bytes(b"x")
+    os.sync()
+    answered = _change_attributes(files, 3.0)
+    killed = time.monotonic()
+    mounted.kill9()
+    mounted.mount()
+    kept = _changes_kept(files, len(answered))
+    _lost_only_the_last_moments([not k for k in kept], answered, killed,
+                                "attribute changes")
+
+
+def test_a_waiting_attribute_change_goes_by_itself_and_with_an_fsync(mounted):
+    """The last attribute change, joined or not, is sent within moments with nobody
+    calling again, and at once by an fsync: after a quiet half second, or right after an
+    fsync, kill -9 takes back nothing."""
+    d = mounted.mnt / "d"
+    d.mkdir()
+    files = [d / f"f{i}" for i in range(8)]
+    for f in files:
+        f.write_bytes(b"x")
+    answered = _change_attributes(files, 1.0)
+    time.sleep(0.5)
+    mounted.kill9()
+    mounted.mount()
+    assert all(_changes_kept(files, len(answered))), "a change answered 0.5 s before " \
+        "kill -9 was lost"
+    os.utime(files[0], ns=(0, 5))
+    os.chmod(files[0], 0o640)
+    fd = os.open(files[0], os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    mounted.kill9()
+    mounted.mount()
+    st = os.stat(files[0])
+    assert (st.st_mtime_ns, stat.S_IMODE(st.st_mode)) == (5, 0o640), \
+        "attribute changes fsync'ed before kill -9 were lost"
+
+
 def test_fsyncdir_after_a_burst_waits_for_little(mounted):
     """The backlog of posted steps shows as the time an fsync right after a burst takes:
     it must wait for every answered change to be applied."""
