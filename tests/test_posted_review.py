@@ -126,29 +126,33 @@ def _lost_only_the_last_moments(lost: list[bool], answered: list[float], killed:
 
 
 def _change_attributes(files, seconds: float) -> list[float]:
-    """For ``seconds``: change i sets the mtime and then the mode of ``files[i % len]``
-    (two calls in a row on one file, which join in one step), each to a value of i;
-    when each change was answered."""
+    """For ``seconds``: change i sets the mtime (call 2i) and then the mode (call 2i + 1)
+    of ``files[i % len]``, two calls in a row on one file, which join in one step, each
+    to a value of i; when each call was answered."""
     answered = []
     for i in _for_seconds(seconds):
         f = files[i % len(files)]
         os.utime(f, ns=(0, 1_000_000_000 + i))
+        answered.append(time.monotonic())
         os.chmod(f, 0o400 | i % 0o100)
         answered.append(time.monotonic())
     return answered
 
 
-def _changes_kept(files, count: int) -> list[bool]:
-    """Whether each of ``count`` changes (``_change_attributes``) is in the files: its
-    file shows it or a later one, whose mode goes with its mtime."""
-    last = {}
+def _calls_kept(files, calls: int) -> list[bool]:
+    """Whether each of ``calls`` (``_change_attributes``) is in the files: its file shows
+    it or a later change. The mtime tells a file's last change i kept; its mode tells
+    whether that change's chmod was kept too."""
+    last, mode_kept = {}, {}
     for f in files:
         st = os.stat(f)
-        i = st.st_mtime_ns - 1_000_000_000
-        assert i < 0 or stat.S_IMODE(st.st_mode) == 0o400 | i % 0o100, \
-            f"{f.name}: the mode of change {i} was lost, its mtime kept"
-        last[f] = i
-    return [last[files[i % len(files)]] >= i for i in range(count)]
+        last[f] = i = st.st_mtime_ns - 1_000_000_000
+        mode_kept[f] = stat.S_IMODE(st.st_mode) == 0o400 | i % 0o100
+    kept = []
+    for call in range(calls):
+        i, f = call // 2, files[call // 2 % len(files)]
+        kept.append(last[f] > i or last[f] == i and (call % 2 == 0 or mode_kept[f]))
+    return kept
 
 
 def test_kill9_takes_back_only_the_last_attribute_changes(mounted):
@@ -165,9 +169,9 @@ def test_kill9_takes_back_only_the_last_attribute_changes(mounted):
     killed = time.monotonic()
     mounted.kill9()
     mounted.mount()
-    kept = _changes_kept(files, len(answered))
+    kept = _calls_kept(files, len(answered))
     _lost_only_the_last_moments([not k for k in kept], answered, killed,
-                                "attribute changes")
+                                "attribute calls")
 
 
 def test_a_waiting_attribute_change_goes_by_itself_and_with_an_fsync(mounted):
@@ -183,7 +187,7 @@ def test_a_waiting_attribute_change_goes_by_itself_and_with_an_fsync(mounted):
     time.sleep(0.5)
     mounted.kill9()
     mounted.mount()
-    assert all(_changes_kept(files, len(answered))), "a change answered 0.5 s before " \
+    assert all(_calls_kept(files, len(answered))), "a change answered 0.5 s before " \
         "kill -9 was lost"
     os.utime(files[0], ns=(0, 5))
     os.chmod(files[0], 0o640)
