@@ -309,10 +309,9 @@ class Engine:
         if merge is not None and self._merged(fn, args, marks, records, merge):
             return
         step = Step(LIVE, fn, args, nbytes, posted=marks)
-        for key, value in (records or {}).items():     # first: a record that cannot be
-            step.predicted[key] = value.pack_at(self.live) \
-                if isinstance(value, S.Inode) else value   # packed leaves nothing counted
+        step.predicted = self._packed(records)  # first: one that cannot be leaves no count
         self._committer.post(step)     # first: a step that is not data goes no further
+                                       # (or, held to be framed later, fails as a lost change)
         self.changes += 1
         self._uncommitted += 1
         self._posted_bytes += nbytes
@@ -331,12 +330,16 @@ class Engine:
         if joined is None:
             return False
         step.args = joined
-        for key, value in (records or {}).items():
-            step.predicted[key] = value.pack_at(self.live) \
-                if isinstance(value, S.Inode) else value
+        step.predicted.update(self._packed(records))
         self.changes += 1
         self._records.update(step.predicted)
         return True
+
+    def _packed(self, records: dict | None) -> dict:
+        """``post``'s ``records`` as ``known_inode`` and ``known_entry`` keep them: inode
+        records packed in the live epoch."""
+        return {key: value.pack_at(self.live) if isinstance(value, S.Inode) else value
+                for key, value in (records or {}).items()}
 
     async def mutate_in_thread(self, fn, *args):
         """Run ``fn(txn, dbs, *args)`` in a transaction of its own, committed before it

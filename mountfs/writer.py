@@ -177,10 +177,22 @@ class WriterProcess:
         return self._held
 
     def _frame_held(self) -> None:
-        """Frame the held step (``post``) after everything sent before it."""
+        """Frame the held step (``post``) after everything sent before it. One that is not
+        data (a bug) was answered already, and whoever frames it is not its caller: it is
+        a change lost after its answer, as when a posted step fails in the writer, so
+        every later change fails until a remount."""
         step, self._held = self._held, None
-        if step is not None:
+        if step is None:
+            return
+        try:
             self._send(POST, step, now=False)
+        except TypeError as e:
+            log.critical("%s: an answered change is lost; the filesystem refuses changes "
+                         "until it is remounted", e)
+            if self.failed is None:
+                self.failed = FsError(errno.EIO, f"a change could not be sent to the writer "
+                                                 f"process ({e}); remount the filesystem")
+            self._fail([step])
 
     def answers_early(self) -> bool:
         return self._answers_early and self.failed is None

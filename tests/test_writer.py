@@ -21,7 +21,7 @@ import trio
 from conftest import cli, fsck_clean
 from mountfs import schema as S
 from mountfs import writer as writer_frames
-from mountfs.committer import BATCH_STEPS, LIVE, Step
+from mountfs.committer import BATCH_STEPS, COMMIT, LIVE, Step
 from mountfs.engine import SYNC_INTERVAL
 from mountfs.filecache import _commit_chunks, chunk_digest
 from mountfs.namespace import FsError, Live, View
@@ -188,6 +188,31 @@ def test_a_step_that_is_not_data_is_refused_where_it_is_sent(tmp_path):
         assert view.lookup(S.ROOT_INO, b"data") and view.lookup(S.ROOT_INO, name) is None
     store.close()
     fsck_clean(path)
+
+
+def test_a_posted_step_that_is_not_data_fails_itself_not_the_mount(tmp_path):
+    """In trio a posted step is framed only when the next step goes, or by the task that
+    sends posted steps (it may still join a later change). One that is not data (a bug)
+    was answered already: it must be told as a failed posted step, and later changes fail
+    with EIO; it must not break the task that found it (which would end the mount) or
+    raise in another caller."""
+    name = b"closure"
+
+    async def post_and_wait(writer: WriterProcess, ran: list[Step]):
+        writer.post(Step(LIVE, lambda live: live.create(S.ROOT_INO, name, stat.S_IFREG,
+                                                        0, 0), posted=()))
+        with trio.fail_after(30):
+            while not ran:
+                await trio.sleep(0.01)
+        later: list[Step] = []
+        writer.put(Step(COMMIT, done=later.append))
+        return writer.answers_early(), later
+
+    (answers_early, later), ran = _with_writer(tmp_path, post_and_wait)
+    assert len(ran) == 1 and isinstance(ran[0].error, FsError)
+    assert ran[0].error.errno == errno.EIO and "not data" in str(ran[0].error)
+    assert not answers_early
+    assert [step.error.errno for step in later] == [errno.EIO], "a later change went on"
 
 
 def _chunk_step(ino: int, chunks: list[bytes], done) -> Step:
