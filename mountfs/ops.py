@@ -550,9 +550,14 @@ class Operations(pyfuse3.Operations):
         return fh
 
     def _open_live(self, ino: int, size: int) -> pyfuse3.FileInfo:
+        """A handle of a live file. On a writable mount the kernel keeps the file's pages
+        across opens, as a local filesystem does (a build reopening its headers reads them
+        once): only this mount changes the store, every write passes through those pages,
+        and a rollback invalidates what it changed (``invalidate``). A read-only mount
+        follows a store another process writes, so its opens drop them."""
         of = self.engine.files.open(ino, size)
         return pyfuse3.FileInfo(fh=self._new_fh(Handle(ino, of, None, ino, size)),
-                                keep_cache=False)
+                                keep_cache=not self.read_only)
 
     @guard
     async def open(self, inode, flags, ctx):
@@ -565,7 +570,7 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.EISDIR if stat.S_ISDIR(rec.mode) else errno.EINVAL)
         if epoch is not None:
             fh = self._new_fh(Handle(inode, None, epoch, real, rec.size))
-            return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=not self.read_only)
         info = self._open_live(inode, rec.size)
         # Always, even at stored size 0: another handle may hold buffered writes, and
         # POSIX has O_TRUNC update mtime/ctime of an existing file even if it was empty.

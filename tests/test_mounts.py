@@ -4,6 +4,7 @@ and 'umount' that returns only once the store is released."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from conftest import cli, fsck_clean
 from mountfs import control
 from mountfs.control import ControlError, process_start
 from mountfs.errors import StoreError
+from mountfs.mapread import resident
 from mountfs.mount import READAHEAD_KIB, canonical, mounts
 from mountfs.store import Store
 
@@ -164,6 +166,39 @@ def test_a_mount_reads_ahead_more_than_the_kernels_128_kib(make_mount):
     assert (a.mnt / "f").read_bytes() == data
     b.umount()
     a.umount()
+
+def in_page_cache(path: Path) -> bool:
+    """Whether every page of ``path`` is in the kernel's page cache right after an open,
+    before any read (mincore(2) of a map of it)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        view = memoryview(m)
+        try:
+            return resident(view)
+        finally:
+            view.release()
+
+
+def test_a_reopened_file_is_read_from_the_kernels_cache_on_a_writable_mount_only(make_mount):
+    """A writable mount lets the kernel keep a file's pages across opens (a build reopening
+    its headers reads them once); a read-only one, which follows another process's
+    commits, drops them at each open and so reads what the writer changed."""
+    a = make_mount()
+    old, new = os.urandom(256 << 10), os.urandom(256 << 10)
+    (a.mnt / "f").write_bytes(old)
+    os.sync()
+    b = make_mount(a.store, "--read-only")
+    for m in (a, b):
+        assert (m.mnt / "f").read_bytes() == old                    # in the page cache now
+    assert in_page_cache(a.mnt / "f")
+    assert not in_page_cache(b.mnt / "f")
+    with open(a.mnt / "f", "r+b") as f:                             # same size, new bytes
+        f.write(new)
+        os.fsync(f.fileno())
+    assert (a.mnt / "f").read_bytes() == new
+    assert (b.mnt / "f").read_bytes() == new
+    b.umount()
+    a.umount()
+
 
 
 @pytest.fixture
