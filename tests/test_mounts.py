@@ -184,8 +184,9 @@ def test_a_reopened_file_is_read_from_the_kernels_cache_on_a_writable_mount_only
     commits, drops them at each open and so reads what the writer changed."""
     a = make_mount()
     old, new = os.urandom(256 << 10), os.urandom(256 << 10)
-    (a.mnt / "f").write_bytes(old)
-    os.sync()
+    with open(a.mnt / "f", "wb") as f:                              # committed before B reads
+        f.write(old)
+        os.fsync(f.fileno())
     b = make_mount(a.store, "--read-only")
     for m in (a, b):
         assert (m.mnt / "f").read_bytes() == old                    # in the page cache now
