@@ -27,9 +27,11 @@ import ctypes
 import errno
 import logging
 import os
+import mmap
 import threading
 
 from .committer import DEFER_MARGIN
+from .mapread import resident
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,15 @@ def _fallocate(fd: int, offset: int, length: int) -> None:
     if _libc.fallocate(fd, 0, offset, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def _evicted(fd: int, start: int, end: int) -> bool:
+    """Whether a page of [start, end) of the file (``start`` page-aligned) has left the
+    page cache. Pages brought in by WILLNEED and not yet written are never read, so memory
+    reclaim takes them first (on a VM, its DAMON pageout scheme can within seconds)."""
+    with mmap.mmap(fd, end - start, prot=mmap.PROT_READ, offset=start) as m:
+        with memoryview(m) as pages:
+            return not resident(pages)
 
 
 def _cache(fd: int, start: int, end: int) -> None:
@@ -101,10 +112,13 @@ class Preallocator:
     def _prepare(self, fd: int, prepared: int) -> int:
         """Allocate and cache from LMDB's end (or what is prepared already, if further) to
         AHEAD past LMDB's end, if that is STEP or more and leaves DEFER_MARGIN free on the
-        disk; returns how far the file is prepared. OSError: preparing is not possible
-        here (no fallocate)."""
+        disk; bring back into the cache what reclaim took of the part already prepared.
+        Returns how far the file is prepared. OSError: preparing is not possible here (no
+        fallocate)."""
         end = self.store.pages_end()
         start, want = max(prepared, end), end + AHEAD
+        if end < start and _evicted(fd, end, start):
+            _cache(fd, end, start)
         if want - start < STEP or self.store.disk_free() - (want - start) < DEFER_MARGIN:
             return prepared
         try:

@@ -33,17 +33,31 @@ def _resident(path, start: int, end: int) -> bool:
             return resident(tail)
 
 
-def _prepared(store_path, cached: bool = True, within: float = 30.0) -> tuple[int, int]:
+def _prepared(store_path, cached: bool = True, within: float = 30.0,
+              commit=None) -> tuple[int, int]:
     """Wait until the data file reaches at least STEP past LMDB's pages and (``cached``)
     that tail is in the page cache (the thread runs after a commit, and caches after it
-    allocates): (pages end, file size)."""
+    allocates): (pages end, file size). ``commit()``, called while the tail is not cached,
+    makes one: reclaim may take the tail's pages (they are never read), and the thread
+    brings them back after the next commit."""
     deadline = time.monotonic() + within
     while True:
         end, size = _tail(store_path)
         if size - end >= STEP and (not cached or _resident(store_path / "data.mdb", end, size)) \
                 or time.monotonic() > deadline:
             return end, size
+        if commit is not None and size - end >= STEP:
+            commit()
         time.sleep(0.05)
+
+
+def _committer(mnt):
+    """A commit through the mount, on each call (a byte written and fsynced)."""
+    def commit():
+        with open(mnt / "nudge", "wb") as f:
+            f.write(b"x")
+            os.fsync(f.fileno())
+    return commit
 
 
 def test_the_data_file_is_prepared_ahead_of_lmdb_and_counted_free(make_mount):
@@ -53,7 +67,7 @@ def test_the_data_file_is_prepared_ahead_of_lmdb_and_counted_free(make_mount):
         for i in range(48):
             f.write(i.to_bytes(8, "little") + data[8:])
         os.fsync(f.fileno())
-    end, size = _prepared(m.store)
+    end, size = _prepared(m.store, commit=_committer(m.mnt))
     assert STEP <= size - end <= AHEAD + STEP, (end, size)
     assert _resident(m.store / "data.mdb", end, size)
     disk, mounted = os.statvfs(m.store), os.statvfs(m.mnt)
@@ -69,6 +83,26 @@ def test_the_data_file_is_prepared_ahead_of_lmdb_and_counted_free(make_mount):
     m.umount()
     fsck_clean(m.store)
     m.mount()
+
+
+def test_a_prepared_tail_that_reclaim_took_is_cached_again_after_the_next_commit(make_mount):
+    """Reclaim takes the prepared pages first (never read; a VM's DAMON pageout does it
+    within seconds), which left LMDB's next writes allocating pages again."""
+    m = make_mount()
+    with open(m.mnt / "f", "wb") as f:
+        f.write(os.urandom(4 << 20))
+        os.fsync(f.fileno())
+    end, size = _prepared(m.store, commit=_committer(m.mnt))
+    assert _resident(m.store / "data.mdb", end, size)
+    fd = os.open(m.store / "data.mdb", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, end, size - end, os.POSIX_FADV_DONTNEED)      # as reclaim would
+    finally:
+        os.close(fd)
+    assert not _resident(m.store / "data.mdb", end, size)
+    end, size = _prepared(m.store, commit=_committer(m.mnt))
+    assert _resident(m.store / "data.mdb", end, size)
+    m.umount()
 
 
 @pytest.fixture
