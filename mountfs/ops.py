@@ -570,7 +570,7 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.EISDIR if stat.S_ISDIR(rec.mode) else errno.EINVAL)
         if epoch is not None:
             fh = self._new_fh(Handle(inode, None, epoch, real, rec.size))
-            return pyfuse3.FileInfo(fh=fh, keep_cache=not self.read_only)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         info = self._open_live(inode, rec.size)
         # Always, even at stored size 0: another handle may hold buffered writes, and
         # POSIX has O_TRUNC update mtime/ctime of an existing file even if it was empty.

@@ -695,9 +695,9 @@ def bench_small3(work: Workdir, count: int, size: int, repeat: int, res: Results
                                                                          remount), repeat)
     res.add("small_files", figures)
     print_three_way(f"{count:,} small files of {size} bytes in one directory, ops/s "
-                    f"(reread: open, read and close each, twice, the second timed; stat_cold: after remount "
-                    f"and drop_caches; stat_missing: the deleted names, asked twice, the "
-                    f"second timed)", figures,
+                    f"(reread: open, read and close each, twice, the second timed; "
+                    f"stat_cold: after remount and drop_caches; stat_missing: the deleted "
+                    f"names, asked twice, the second timed)", figures,
                     [(k, f"{k} ops/s", True) for k in ("create", "stat_warm", "reread",
                                                        "stat_cold", "delete", "stat_missing")],
                     lambda k, f: "no target" if k in ("reread", "stat_missing") else

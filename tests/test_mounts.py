@@ -167,6 +167,7 @@ def test_a_mount_reads_ahead_more_than_the_kernels_128_kib(make_mount):
     b.umount()
     a.umount()
 
+
 def in_page_cache(path: Path) -> bool:
     """Whether every page of ``path`` is in the kernel's page cache right after an open,
     before any read (mincore(2) of a map of it)."""
@@ -199,7 +200,6 @@ def test_a_reopened_file_is_read_from_the_kernels_cache_on_a_writable_mount_only
     assert (b.mnt / "f").read_bytes() == new
     b.umount()
     a.umount()
-
 
 
 @pytest.fixture
