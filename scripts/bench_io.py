@@ -12,7 +12,8 @@ Needs root (it drops the page cache between writing and reading) and FUSE. It us
 installed command lines (.venv/bin/mountfs, .venv/bin/snapctl) on a temporary store and
 mountpoint under --workdir, next to the plain baseline directory, and unmounts and removes
 everything at the end, also on an error or Ctrl-C. On a VM that reports free pages to its
-host, each timed run suspends that reporting and restores it after (``pages_kept``).
+host, each timed run suspends that reporting and restores it after (``pages_kept``); what a
+run killed with SIGKILL left changed, the next run restores first (``restore_kernel_knobs``).
 """
 
 from __future__ import annotations
@@ -208,6 +209,71 @@ def _read(path: Path) -> str | None:
         return None
 
 
+# Kernel parameters a run changed, with their values before: a run killed with SIGKILL
+# cannot restore them, so the next run does (``restore_kernel_knobs``) before it measures.
+KNOBS_CHANGED = Path("/run/mountfs-bench-io-knobs.json")
+
+
+def _knobs_changed() -> dict:
+    try:
+        return json.loads(KNOBS_CHANGED.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _note_knobs(knobs: dict) -> None:
+    if knobs:
+        KNOBS_CHANGED.write_text(json.dumps(knobs))
+    else:
+        KNOBS_CHANGED.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def kernel_knob(path: Path, value: str):
+    """``path`` (a kernel parameter) set to ``value`` inside this block, then restored;
+    nothing where the kernel has no such parameter. Its value before is noted in
+    KNOBS_CHANGED while the block runs."""
+    before = _read(path)
+    if before is None:
+        yield
+        return
+    knobs = _knobs_changed()
+    knobs.setdefault(str(path), {"value": before, "pid": os.getpid()})
+    _note_knobs(knobs)
+    path.write_text(f"{value}\n")
+    try:
+        yield
+    finally:
+        path.write_text(f"{before}\n")
+        knobs = _knobs_changed()
+        knobs.pop(str(path), None)
+        _note_knobs(knobs)
+
+
+def restore_kernel_knobs() -> None:
+    """Put back what a run killed before it could restore left changed (KNOBS_CHANGED),
+    and say so: that run's figures are lost, and this one measures the machine as
+    configured. A run still going (another benchmark) is left alone."""
+    knobs = _knobs_changed()
+    for name, left in list(knobs.items()):
+        if _alive(left["pid"]):
+            continue
+        Path(name).write_text(f"{left['value']}\n")
+        print(f"bench_io: restored {name} to {left['value']} (a killed run had left it changed)")
+        del knobs[name]
+    _note_knobs(knobs)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 @contextlib.contextmanager
 def pages_kept(nbytes: int = 3 << 30):
     """Pages freed inside this block stay the VM's; ``nbytes`` of them are made so first.
@@ -221,19 +287,13 @@ def pages_kept(nbytes: int = 3 << 30):
     so each figure moved with the run. Here reporting is suspended (an order above the
     largest; restored on exit) and ``nbytes`` of memory filled and freed, so that every
     run of every side fills pages the VM has. Without reporting, only the filling happens."""
-    order = _read(PAGE_REPORTING)
-    if order is not None:
-        PAGE_REPORTING.write_text("11\n")       # MAX_PAGE_ORDER + 1: nothing is reported
-    try:
+    with kernel_knob(PAGE_REPORTING, "11"):    # MAX_PAGE_ORDER + 1: nothing is reported
         with open("/proc/meminfo") as meminfo:
             avail = next(int(line.split()[1]) << 10 for line in meminfo
                          if line.startswith("MemAvailable:"))
         buf = bytearray(min(nbytes, avail // 2))    # zero-filled: every page touched
         del buf
         yield
-    finally:
-        if order is not None:
-            PAGE_REPORTING.write_text(f"{order}\n")
 
 
 def kept(measure, *args) -> dict:
@@ -255,15 +315,11 @@ def halt_polling(ns: int | None):
     if ns is None:
         yield
         return
-    before = _read(HALT_POLL_NS)
-    if before is None:
+    if _read(HALT_POLL_NS) is None:
         raise SystemExit(f"--guest-halt-poll-ns: {HALT_POLL_NS} is missing (not a VM guest "
                          f"with the haltpoll idle driver); run without it")
-    HALT_POLL_NS.write_text(f"{ns}\n")
-    try:
+    with kernel_knob(HALT_POLL_NS, str(ns)):
         yield
-    finally:
-        HALT_POLL_NS.write_text(f"{before}\n")
 
 
 class MountedStore:
@@ -773,6 +829,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("bench_io needs root (to drop the page cache)")
+    restore_kernel_knobs()
     only = set(args.only or ["untar", "git", "small", "seq", "rand", "snap", "sweep"])
     block = parse_size(args.block)
     if args.floor_writeback:
