@@ -38,7 +38,7 @@ class Report:
     def summary(self) -> str:
         state = f"{len(self.problems)} problem(s)" if self.problems else "no problems"
         return (f"fsck: {state}; checked {self.snapshots} snapshot(s) and the live tree, "
-                f"{self.inodes} inode versions, {self.chunks} chunks")
+                f"{self.inodes} inode version(s), {self.chunks} chunk(s)")
 
 
 def check(store: Store, progress=None) -> Report:
