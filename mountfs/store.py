@@ -473,7 +473,7 @@ def get_version(txn, db, base: bytes, epoch: int) -> tuple[int, bytes] | None:
 def get_at(txn, db, base: bytes, epoch: int):
     """The value of ``base`` visible at ``epoch``, or None (absent or deleted). Every read
     of a record goes through here, several per request on the mount's trio thread: it
-    leaves the version's epoch undecoded (``get_version`` without it: 0.55 µs against 0.89)."""
+    leaves the version's epoch undecoded (``get_version`` without it: 0.56 µs against 0.89)."""
     cur = txn.cursor(db)
     if not cur.set_range(base + S.inv(epoch)):
         return None
