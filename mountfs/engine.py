@@ -335,6 +335,23 @@ class Engine:
         self._records.update(step.predicted)
         return True
 
+    def amend_held(self, fn, mark, change) -> bool:
+        """Have the last posted step do more while it is not yet sent: if it is ``fn``'s
+        with ``mark`` its first mark, its arguments become ``change(args)`` (None: leave
+        it). The record it was answered with for ``mark`` goes, so that reads of ``mark``
+        wait for the step. Whether it changed."""
+        step = self._committer.held() if self._committer is not None else None
+        if step is None or step.fn is not fn or not step.posted or step.posted[0] != mark:
+            return False
+        args = change(step.args)
+        if args is None:
+            return False
+        step.args = args
+        step.predicted.pop(mark, None)
+        self._records.pop(mark, None)
+        self.changes += 1
+        return True
+
     def _packed(self, records: dict | None) -> dict:
         """``post``'s ``records`` as ``known_inode`` and ``known_entry`` keep them: inode
         records packed in the live epoch."""

@@ -280,12 +280,23 @@ class Operations(pyfuse3.Operations):
                     ino for ino in inos if v.txn.get(S.u64(ino), db=orphans) is not None],
                     marks=inos)
             if inos and self.engine.can_post():
-                self.engine.post(_destroy_orphans, inos, marks=inos)
+                inos = [ino for ino in inos if not self._deleted_with_remove(ino)]
+                if inos:
+                    self.engine.post(_destroy_orphans, inos, marks=inos)
                 self.engine.wake_gc()
             elif inos and await self.engine.mutate(_destroy_orphans, inos):
                 self.engine.wake_gc()
         except Exception:
             log.exception("could not delete unlinked inodes %s; the next mount will", inos)
+
+    def _deleted_with_remove(self, ino: int) -> bool:
+        """Have the unlink or rmdir of ``ino`` posted last, if it is not yet sent, delete
+        the inode instead of marking it an orphan. The kernel forgets an inode right after
+        the unlink that took its last name: this saves the step that would delete it, one
+        per deleted file. Nothing was posted after that step, so no later change of the
+        inode is queued behind it."""
+        return self.engine.amend_held(self._remove_step, ino,
+                                      lambda args: (*args[:-1], False) if args[-1] else None)
 
     @guard
     async def getattr(self, inode, ctx=None):
@@ -514,7 +525,8 @@ class Operations(pyfuse3.Operations):
     def _remove_step(live, now: int, parent: int, name: bytes, directory: bool,
                      held: bool) -> None:
         """A posted step: unlink or rmdir with the caller's clock (the records it answered
-        with). ``held``: whether the kernel held the inode when the call was answered.
+        with). ``held``: whether the kernel held the inode when the call was answered, or
+        still held it when the step was last amended (``_deleted_with_remove``).
         Decided then, not when the step runs: by then later calls may have reached the
         inode (a SETATTR racing the unlink, posted after it) and the kernel may have
         forgotten it since, so destroying it here would fail their steps; a forget after

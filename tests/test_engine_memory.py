@@ -21,7 +21,7 @@ import trio
 from conftest import cli
 from mountfs.engine import Engine
 from mountfs.namespace import FsError, View
-from mountfs.ops import Operations, _setattr
+from mountfs.ops import Operations, _destroy_orphans, _setattr
 from mountfs.store import Store
 from mountfs.writer import _unreadable
 
@@ -205,6 +205,56 @@ def test_consecutive_attribute_changes_of_a_file_are_one_step(tmp_path):
     finally:
         store.close()
     assert stored == answered
+    cli("mountfs", "fsck", path)
+
+
+def test_a_file_forgotten_right_after_its_unlink_is_deleted_by_the_unlinks_step(tmp_path):
+    """The kernel forgets an inode as soon as an unlink took its last name. When nothing
+    was posted in between, the unlink's step, not yet sent, deletes the inode itself: one
+    step per deleted file instead of two (docs/benchmarks.md, twenty-third round). A forget
+    that comes after another change, and a file still open at its unlink, keep the step of
+    their own. Either way nothing of the files is left in the store."""
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    destroys, inos, left = [], [], {}
+
+    async def body(engine: Engine, ops: Operations, ctx) -> None:
+        ran = engine._ran
+
+        def counted(steps, committed):
+            destroys.extend(step for step in steps if step.fn is _destroy_orphans)
+            ran(steps, committed)
+        engine._ran = counted
+        for i in range(33):
+            inos.append(await _write_file(ops, 1, b"f%d" % i, b"data %d" % i, ctx))
+            await ops.lookup(1, b"f%d" % i, ctx)        # the kernel holds each one again
+        await engine.sync()
+        destroys.clear()        # _write_file's forgets of the new files, each a step
+        for i in range(30):                             # forgotten right after: no step
+            await ops.unlink(1, b"f%d" % i, ctx)
+            await ops.forget([(inos[i], 1)])
+        await ops.unlink(1, b"f30", ctx)                # another unlink in between: a step
+        await ops.unlink(1, b"f31", ctx)
+        await ops.forget([(inos[30], 1)])
+        await ops.forget([(inos[31], 1)])
+        info = await ops.open(inos[32], os.O_RDONLY, ctx)   # open at its unlink: a step
+        await ops.unlink(1, b"f32", ctx)
+        await ops.forget([(inos[32], 1)])
+        await ops.release(info.fh)
+        await engine.sync()
+        left.update(_memory(engine))
+
+    _run_engine(path, body)
+    assert len(destroys) == 2, f"{len(destroys)} steps deleted forgotten inodes, not 2"
+    assert left == EMPTY
+    store = Store.open(path, readonly=True)
+    try:
+        with store.read() as txn:
+            view = View(txn, store.db, store.live_epoch(txn), store.chunk_size)
+            assert [ino for ino in inos if view.inode(ino) is not None] == []
+            assert txn.stat(store.db["orphans"])["entries"] == 0
+    finally:
+        store.close()
     cli("mountfs", "fsck", path)
 
 
