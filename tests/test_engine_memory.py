@@ -150,23 +150,29 @@ async def _tar_attributes(ops: Operations, ino: int, fh: int, mtime: int, mode: 
     await ops.setattr(ino, types.SimpleNamespace(st_mode=mode), _fields(mode=1), fh, ctx)
 
 
+def _count_steps(engine: Engine, fn, into: list) -> None:
+    """Append to ``into`` every posted step of ``fn`` as the writer reports it run."""
+    ran = engine._ran
+
+    def counted(steps, committed):
+        into.extend(step for step in steps if step.fn is fn)
+        ran(steps, committed)
+    engine._ran = counted
+
+
 def test_consecutive_attribute_changes_of_a_file_are_one_step(tmp_path):
     """tar's three attribute calls per file are posted one after the other: they join in
     one step while it waits to go to the writer, so the writer runs one step per file,
     not three (docs/benchmarks.md, twenty-first round). A change of another inode in
-    between keeps them apart; of two modes in a row the later one stays. What the store holds is what each call answered, and the
-    engine keeps nothing of them once committed."""
+    between keeps them apart; of two modes in a row the later one stays. What the store
+    holds is what each call answered, and the engine keeps nothing of them once
+    committed."""
     path = tmp_path / "store"
     cli("mountfs", "mkfs", path)
     setattrs, answered, left = [], {}, {}
 
     async def body(engine: Engine, ops: Operations, ctx) -> None:
-        ran = engine._ran
-
-        def counted(steps, committed):
-            setattrs.extend(step for step in steps if step.fn is _setattr)
-            ran(steps, committed)
-        engine._ran = counted
+        _count_steps(engine, _setattr, setattrs)
         for i in range(40):
             info, attrs = await ops.create(1, b"f%d" % i, 0o600, os.O_WRONLY, ctx)
             await ops.write(info.fh, 0, b"x" * (100 + i))
@@ -219,12 +225,7 @@ def test_a_file_forgotten_right_after_its_unlink_is_deleted_by_the_unlinks_step(
     destroys, inos, left = [], [], {}
 
     async def body(engine: Engine, ops: Operations, ctx) -> None:
-        ran = engine._ran
-
-        def counted(steps, committed):
-            destroys.extend(step for step in steps if step.fn is _destroy_orphans)
-            ran(steps, committed)
-        engine._ran = counted
+        _count_steps(engine, _destroy_orphans, destroys)
         for i in range(33):
             inos.append(await _write_file(ops, 1, b"f%d" % i, b"data %d" % i, ctx))
             await ops.lookup(1, b"f%d" % i, ctx)        # the kernel holds each one again
