@@ -339,7 +339,7 @@ class Engine:
         """Have the last posted step do more while it is not yet sent: if it is ``fn``'s
         with ``mark`` its first mark, its arguments become ``change(args)`` (None: leave
         it). The record it was answered with for ``mark`` goes, so that reads of ``mark``
-        wait for the step. Whether it changed."""
+        wait for the step. No name changes (``changes`` stays). Whether it changed."""
         step = self._committer.held() if self._committer is not None else None
         if step is None or step.fn is not fn or not step.posted or step.posted[0] != mark:
             return False
@@ -349,7 +349,6 @@ class Engine:
         step.args = args
         step.predicted.pop(mark, None)
         self._records.pop(mark, None)
-        self.changes += 1
         return True
 
     def _packed(self, records: dict | None) -> dict:

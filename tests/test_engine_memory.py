@@ -215,38 +215,47 @@ def test_consecutive_attribute_changes_of_a_file_are_one_step(tmp_path):
 
 
 def test_a_file_forgotten_right_after_its_unlink_is_deleted_by_the_unlinks_step(tmp_path):
-    """The kernel forgets an inode as soon as an unlink took its last name. When nothing
-    was posted in between, the unlink's step, not yet sent, deletes the inode itself: one
-    step per deleted file instead of two (docs/benchmarks.md, twenty-third round). A forget
-    that comes after another change, and a file still open at its unlink, keep the step of
-    their own. Either way nothing of the files is left in the store."""
+    """The kernel forgets an inode as soon as an unlink took its last name (or, for a file
+    open then, once it is closed). When nothing was posted in between, the unlink's step,
+    not yet sent, deletes the inode itself: one step per deleted file instead of two
+    (docs/benchmarks.md, twenty-third round). A forget or a last close that comes after
+    another change keeps a step of its own. Either way nothing of the files is left in
+    the store."""
     path = tmp_path / "store"
     cli("mountfs", "mkfs", path)
     destroys, inos, left = [], [], {}
 
     async def body(engine: Engine, ops: Operations, ctx) -> None:
         _count_steps(engine, _destroy_orphans, destroys)
-        for i in range(33):
+        for i in range(35):
             inos.append(await _write_file(ops, 1, b"f%d" % i, b"data %d" % i, ctx))
             await ops.lookup(1, b"f%d" % i, ctx)        # the kernel holds each one again
         await engine.sync()
         destroys.clear()        # _write_file's forgets of the new files, each a step
-        for i in range(30):                             # forgotten right after: no step
+        for i in range(30):                             # forgotten right after: joined
             await ops.unlink(1, b"f%d" % i, ctx)
             await ops.forget([(inos[i], 1)])
-        await ops.unlink(1, b"f30", ctx)                # another unlink in between: a step
-        await ops.unlink(1, b"f31", ctx)
-        await ops.forget([(inos[30], 1)])
+        await ops.unlink(1, b"f30", ctx)                # another unlink in between: the
+        await ops.unlink(1, b"f31", ctx)                # forget of f30 has a step, and
+        await ops.forget([(inos[30], 1)])               # then so has f31's
         await ops.forget([(inos[31], 1)])
-        info = await ops.open(inos[32], os.O_RDONLY, ctx)   # open at its unlink: a step
-        await ops.unlink(1, b"f32", ctx)
-        await ops.forget([(inos[32], 1)])
+        info = await ops.open(inos[32], os.O_RDONLY, ctx)   # open at its unlink, closed
+        await ops.unlink(1, b"f32", ctx)                    # right after its forget:
+        await ops.forget([(inos[32], 1)])                   # joined at the close
         await ops.release(info.fh)
+        info = await ops.open(inos[33], os.O_RDONLY, ctx)   # another unlink before the
+        await ops.unlink(1, b"f33", ctx)                    # close: steps of their own
+        await ops.forget([(inos[33], 1)])
+        await ops.unlink(1, b"f34", ctx)
+        await ops.release(info.fh)
+        await ops.forget([(inos[34], 1)])
         await engine.sync()
         left.update(_memory(engine))
 
     _run_engine(path, body)
-    assert len(destroys) == 2, f"{len(destroys)} steps deleted forgotten inodes, not 2"
+    deleted_apart = sorted(ino for step in destroys for ino in step.args[0])
+    assert deleted_apart == sorted(inos[i] for i in (30, 31, 33, 34)), \
+        f"the inodes deleted by steps of their own: {deleted_apart}, of {inos}"
     assert left == EMPTY
     store = Store.open(path, readonly=True)
     try:
