@@ -216,9 +216,10 @@ KNOBS_CHANGED = Path("/run/mountfs-bench-io-knobs.json")
 
 def _knobs_changed() -> dict:
     try:
-        return json.loads(KNOBS_CHANGED.read_text())
+        knobs = json.loads(KNOBS_CHANGED.read_text())
     except (OSError, ValueError):
         return {}
+    return knobs if isinstance(knobs, dict) else {}
 
 
 def _note_knobs(knobs: dict) -> None:
@@ -253,25 +254,42 @@ def kernel_knob(path: Path, value: str):
 def restore_kernel_knobs() -> None:
     """Put back what a run killed before it could restore left changed (KNOBS_CHANGED),
     and say so: that run's figures are lost, and this one measures the machine as
-    configured. A run still going (another benchmark) is left alone."""
+    configured. While another run still has one changed, this one does not start: it
+    would measure that run's machine, and restore its values."""
     knobs = _knobs_changed()
     for name, left in list(knobs.items()):
-        if _alive(left["pid"]):
-            continue
-        Path(name).write_text(f"{left['value']}\n")
-        print(f"bench_io: restored {name} to {left['value']} (a killed run had left it changed)")
+        value, pid = _left_by(left)
+        if name not in (str(PAGE_REPORTING), str(HALT_POLL_NS)) or pid is None:
+            print(f"bench_io: ignored {KNOBS_CHANGED}'s entry {name!r}: not a parameter "
+                  f"this benchmark sets with its value and run")
+        elif _alive(pid):
+            raise SystemExit(f"bench_io: another run (pid {pid}) has {name} changed; wait "
+                             f"for it to end, or kill it and start again")
+        else:
+            Path(name).write_text(f"{value}\n")
+            print(f"bench_io: restored {name} to {value} (a killed run had left it changed)")
         del knobs[name]
     _note_knobs(knobs)
 
 
-def _alive(pid: int) -> bool:
+def _left_by(entry) -> tuple[str | None, int | None]:
+    """(the value before, the run's pid) of a KNOBS_CHANGED entry; (None, None) if it is
+    not one ``kernel_knob`` wrote (a number and a pid)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        value, pid = str(entry["value"]), int(entry["pid"])
+    except (TypeError, KeyError, ValueError):
+        return None, None
+    return (value, pid) if value.isdigit() and pid > 0 else (None, None)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: a run killed with SIGKILL stays a zombie until its
+    parent reaps it, which may be never."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        pass
-    return True
+    return state != "Z"
 
 
 @contextlib.contextmanager
