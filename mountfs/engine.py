@@ -405,7 +405,8 @@ class Engine:
         finished.set()
 
     def _on_ran(self, steps: list[Step], committed: int) -> None:
-        """In the committer's thread: posted steps have run; ``committed``: the transaction
+        """From the writer's replies (the trio thread's task that reads them, or a reader
+        thread outside trio): posted steps have run; ``committed``: the transaction
         whose commit is told right after (0: none)."""
         _post(self._token, self._ran, steps, committed)
 
@@ -456,7 +457,7 @@ class Engine:
                 self._records.pop(mark, None)
 
     def _on_commit(self, steps: int, txn_no: int) -> None:
-        """In the committer's thread after each commit (or a refused live step)."""
+        """From the writer's replies, after each commit (or a refused live step)."""
         if steps:
             _post(self._token, self._committed, steps, txn_no)
 

@@ -18,9 +18,12 @@ How:
   pickled; the trio thread never waits for the pipe: what does not fit, and every step
   carrying chunk data, is kept in order and written by a worker thread as the writer reads
   (during a 1 GiB write, blocking writes had held the trio loop up to 0.19 s at a time);
-  what a step wrote (marks, records) and its result come back, and the mount's committer
-  thread of old is this module's reader thread, calling the engine's callbacks the same
-  way;
+  what a step wrote (marks, records) and its result come back, read on the trio thread
+  (a system task waiting for the pipe), which calls the engine's callbacks in the
+  committer's order. A reader thread did that until the twenty-fourth round: each reply
+  then woke a second thread of the mount, which took the GIL from the trio thread and
+  woke the trio loop again (docs/benchmarks.md). Outside trio (tools, tests) a thread
+  still reads them;
 * the mount reads the committed tree through its own LMDB environment (LMDB's readers are
   multi-process); a file's data an uncommitted change wrote is read by the writer (a LOOK
   step, ``Engine.read_uncommitted``), anything else such a change wrote after a commit
@@ -35,7 +38,7 @@ thread, copies it into the pipe (those copies took the trio thread, which serves
 request, from 0.35 to 0.63 s per GiB written: docs/benchmarks.md, eleventh round). A frame
 the writer cannot read fails that step alone, as a step that raised would.
 
-Writer -> mount, ``multiprocessing.connection`` frames, pickled: ``("reply", outcome, ok)``,
+Writer -> mount, frames of their length (``LENGTH``) then a pickle: ``("reply", outcome, ok)``,
 ``("ran", [outcome, ...], ok)``, ``("committed", n, txn_no, [outcome, ...], ok)``, where
 ``outcome`` is ``(seq, result, error, marks, records, txn_no, live)`` and ``ok`` is whether
 changes are still answered before their commit (``Committer.answers_early``). Posted steps
@@ -62,7 +65,6 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from multiprocessing.connection import Connection
 
 import trio
 
@@ -95,14 +97,18 @@ POST_DELAY = 0.002          # posted steps wait this long to go to the writer to
                             # waits for a posted step: a step sent with ``put`` takes them all
                             # along at once, and commits wait COMMIT_DELAY anyway.
 _IOV_MAX = 64               # pieces written by one writev
+REPLY_READ = 64 << 10       # read from the writer at once at least (a frame: a few hundred
+                            # bytes; more when the frame still being read needs more)
+MAX_REPLY = 1 << 30         # a longer reply frame is a bug: the writer is stopped
 
 
 class WriterProcess:
     """The mount's side: the committer's interface (``start``, ``put``, ``post``,
     ``answers_early``, ``stop``, ``failed``), served by the writer process. ``put`` and
     ``post`` are called from the trio thread only; the callbacks (each step's ``done``,
-    ``committed(n, txn_no)``, ``ran(steps, committed)``) are called from this object's
-    reader thread, in the committer's order. ``ran``'s ``committed`` is the transaction
+    ``committed(n, txn_no)``, ``ran(steps, committed)``) are called in the committer's
+    order, by the task that reads the writer's replies on the trio thread (started in
+    trio) or else by a reader thread. ``ran``'s ``committed`` is the transaction
     whose commit ``committed`` tells right after (0: none): the steps of it among
     ``steps`` are committed already."""
 
@@ -122,7 +128,9 @@ class WriterProcess:
         self._in_trio = False               # started in trio: the pipe is non-blocking
         self._flushing = False              # _flush_unsent is writing (in a worker thread)
         self._room = trio.Event()           # set when there are some (the trio flusher waits)
-        self._reader: threading.Thread | None = None
+        self._replies_fd = -1
+        self._reader: threading.Thread | None = None    # outside trio: reads the replies
+        self._gone = False                  # the writer's exit is handled (_writer_gone)
 
     def start(self) -> None:
         """Start the writer. From the thread that lives as long as the mount (the trio
@@ -140,17 +148,19 @@ class WriterProcess:
         finally:
             os.close(to_child_r)
             os.close(to_parent_w)
-        self._out_fd = to_child_w
-        # In trio, never wait for the pipe (_flush_unsent); outside it (tools, tests) the
-        # writes block.
+        self._out_fd, self._replies_fd = to_child_w, to_parent_r
+        # In trio, never wait for a pipe (_flush_unsent, _receive); outside it (tools,
+        # tests) the writes block and a thread reads the replies.
         with contextlib.suppress(RuntimeError):
             trio.lowlevel.spawn_system_task(self._flush_unsent)
             os.set_blocking(to_child_w, False)
+            os.set_blocking(to_parent_r, False)
+            trio.lowlevel.spawn_system_task(self._receive)
             self._in_trio = True
-        incoming = Connection(to_parent_r, writable=False)
-        self._reader = threading.Thread(target=self._read, args=(incoming,),
-                                        name="mountfs-writer-replies", daemon=True)
-        self._reader.start()
+        if not self._in_trio:
+            self._reader = threading.Thread(target=self._read, name="mountfs-writer-replies",
+                                            daemon=True)
+            self._reader.start()
 
     def put(self, step: Step) -> None:
         """Send a step whose caller waits for it: written now if the pipe has room."""
@@ -203,16 +213,22 @@ class WriterProcess:
             return
         self._frame_held()      # after everything unsent, with it
         if self._proc.poll() is None:
-            with contextlib.suppress(OSError):     # it died: the reader thread has said so
+            with contextlib.suppress(OSError):     # it died: its replies' reader has said so
                 os.set_blocking(self._out_fd, True)
                 self._in_trio = False
                 self._unsent.extend(_frame(STOP, 0))
                 _write_all(self._out_fd, self._unsent)
         self._proc.wait()
-        self._reader.join()
-        with contextlib.suppress(RuntimeError):   # trio has ended (the mount's last commit)
-            trio.lowlevel.notify_closing(self._out_fd)
-        os.close(self._out_fd)
+        if self._reader is not None:
+            self._reader.join()
+        elif not self._gone:        # the replies task has ended with trio, or waits
+            os.set_blocking(self._replies_fd, True)
+            self._take_replies(_Replies())
+            self._writer_gone()
+        for fd in (self._out_fd, self._replies_fd):
+            with contextlib.suppress(RuntimeError):   # trio has ended (the last commit)
+                trio.lowlevel.notify_closing(fd)
+            os.close(fd)
         self._proc = None
 
     def _send(self, op: int, step: Step, now: bool) -> None:
@@ -232,6 +248,8 @@ class WriterProcess:
                 self._write(frame, now)
                 return
             except OSError:             # the writer died: its pipe's end is near
+                if self._reader is None:    # the replies task fails the step with the rest
+                    return
                 self._reader.join()
         if self._steps.pop(step.seq, None) is not None:
             self._fail([step])
@@ -272,36 +290,62 @@ class WriterProcess:
             if not self._raw_unsent:
                 try:
                     self._write_small()
-                except OSError:         # the writer died: the reader thread fails the steps
+                except OSError:         # the writer died: _receive fails the steps
                     self._unsent.clear()
             while self._unsent:
                 pieces, self._unsent, self._raw_unsent = self._unsent, deque(), 0
                 self._flushing = True
                 try:            # not cancellable: the thread writes them all, or fails
                     await trio.to_thread.run_sync(_write_all, self._out_fd, pieces)
-                except OSError:         # the writer died: the reader thread fails the steps
+                except OSError:         # the writer died: _receive fails the steps
                     self._unsent.clear()
                     break
                 finally:
                     self._flushing = False
 
-    # ---- the reader thread -------------------------------------------------------------------
+    # ---- the writer's replies -----------------------------------------------------------------
 
-    def _read(self, conn: Connection) -> None:
+    async def _receive(self) -> None:
+        """A trio system task: deliver the writer's replies as they come, until its pipe
+        ends (it exited: ``_writer_gone``) or trio does (``stop`` reads the rest)."""
+        replies = _Replies()
+        while True:
+            try:
+                await trio.lowlevel.wait_readable(self._replies_fd)
+            except trio.ClosedResourceError:        # stop() has read them all
+                return
+            if not self._take_replies(replies):
+                break
+        await trio.to_thread.run_sync(self._proc.wait)     # it has closed its end: exiting
+        self._writer_gone()
+
+    def _read(self) -> None:
+        """The reader thread (outside trio)."""
+        try:
+            self._take_replies(_Replies())
+        finally:
+            self._writer_gone()
+
+    def _take_replies(self, replies: _Replies) -> bool:
+        """Read and deliver what the writer sent: until the pipe is empty (if it does not
+        block) or ends. False: it ended, or sent what cannot be read (a bug: nothing more
+        from it can be trusted, so it is stopped)."""
         try:
             while True:
                 try:
-                    frame = conn.recv()
-                except (EOFError, OSError):
-                    break
-                except Exception:       # a bug: nothing more from it can be trusted
-                    log.exception("unreadable reply from the writer process; stopping it")
-                    self._proc.kill()
-                    break
-                self._deliver(frame)
-        finally:
-            conn.close()
-            self._writer_gone()
+                    data = os.read(self._replies_fd, max(REPLY_READ, replies.wanted))
+                except BlockingIOError:
+                    return True
+                if not data:
+                    return False
+                for frame in replies.feed(data):
+                    self._deliver(frame)
+        except OSError:
+            return False
+        except Exception:
+            log.exception("unreadable reply from the writer process; stopping it")
+            self._proc.kill()
+            return False
 
     def _deliver(self, frame: tuple) -> None:
         kind, *rest = frame
@@ -328,6 +372,7 @@ class WriterProcess:
         """The writer exited: at our request (nothing is left waiting), or it died. Then
         what it had not committed is lost, as in a crash: every step still waiting fails,
         and so does every later one (``failed``)."""
+        self._gone = True
         code = self._proc.wait()
         reason = _exit_reason(code)
         self.failed = FsError(errno.EIO, f"the writer process exited ({reason}); remount "
@@ -356,6 +401,32 @@ class WriterProcess:
         live = sum(1 for step in steps if step.kind == LIVE)
         if live:
             self._committed(live, 0)    # counted as pending by the engine: never will be
+
+
+class _Replies:
+    """The writer's frames (LENGTH, then a pickle) out of the pieces the pipe gives."""
+
+    def __init__(self):
+        self._buffer = bytearray()
+        self.wanted = 0         # bytes the frame being read still needs
+
+    def feed(self, data: bytes) -> list[tuple]:
+        buffer = self._buffer
+        buffer += data
+        frames, at = [], 0
+        while len(buffer) - at >= LENGTH.size:
+            length, = LENGTH.unpack_from(buffer, at)
+            if length > MAX_REPLY:
+                raise ValueError(f"a reply frame of {length} bytes")
+            end = at + LENGTH.size + length
+            if end > len(buffer):
+                break
+            frames.append(pickle.loads(buffer[at + LENGTH.size:end]))
+            at = end
+        del buffer[:at]
+        self.wanted = LENGTH.unpack_from(buffer)[0] + LENGTH.size - len(buffer) \
+            if len(buffer) >= LENGTH.size else 0
+        return frames
 
 
 def _frame(op: int, seq: int, body=None, raw: bool = False) -> list[memoryview]:
@@ -468,8 +539,8 @@ class _Writer:
     """The child's side: a Committer fed from the mount's frames, its callbacks (all in the
     committer's thread) sent back."""
 
-    def __init__(self, store: Store, out: Connection):
-        self.out = out
+    def __init__(self, store: Store, out: int):
+        self.out = out          # the pipe to the mount (blocking)
         with store.read() as txn:
             live = store.live_epoch(txn)
         self.committer = Committer(store, live, self._committed, self._ran)
@@ -538,9 +609,10 @@ class _Writer:
     def _send(self, kind: str, *body) -> None:
         frame = (kind, *body, self.committer.answers_early())
         try:
-            self.out.send(frame)
+            pickled = pickle.dumps(frame, protocol=5)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
-            self.out.send(_portable(frame, e))
+            pickled = pickle.dumps(_portable(frame, e), protocol=5)
+        _write_all(self.out, deque([memoryview(LENGTH.pack(len(pickled))), memoryview(pickled)]))
 
 
 def _unreadable(live, problem: str) -> None:
@@ -584,7 +656,7 @@ def main(argv: list[str]) -> int:
     store = Store.open(path, lock=False)
     try:
         with open(incoming_fd, "rb", buffering=PIPE_BYTES) as incoming:
-            _Writer(store, Connection(out_fd, readable=False)).serve(incoming)
+            _Writer(store, out_fd).serve(incoming)
     finally:
         store.close()
     return 0

@@ -5,10 +5,12 @@ where it is sent; a writer faster than the store is held back, and the buffers r
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
 import queue
+import random
 import signal
 import stat
 import threading
@@ -17,12 +19,14 @@ from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import cli, fsck_clean
 from mountfs import schema as S
 from mountfs import writer as writer_frames
-from mountfs.committer import BATCH_STEPS, COMMIT, LIVE, Step
-from mountfs.engine import SYNC_INTERVAL
+from mountfs.committer import BATCH_STEPS, COMMIT, LIVE, LOOK, Step
+from mountfs.engine import SYNC_INTERVAL, _checked_read
 from mountfs.filecache import _commit_chunks, chunk_digest
 from mountfs.namespace import FsError, Live, View
 from mountfs.store import Store
@@ -250,20 +254,21 @@ def test_chunk_data_crosses_to_the_writer_intact_and_in_order(tmp_path, in_trio)
     replies: queue.SimpleQueue = queue.SimpleQueue()
     writer = WriterProcess(store, lambda n, txn_no: None, lambda steps, committed: None)
 
-    def create_big_file() -> int:
+    def create_big_file() -> None:
         writer.start()
         writer.put(_create_step(b"big", replies.put))
-        return replies.get(timeout=60).result[0]
 
     def blocking() -> int:
-        ino = create_big_file()
+        create_big_file()
+        ino = replies.get(timeout=60).result[0]
         writer.put(_chunk_step(ino, chunks, replies.put))
         for name in names:
             writer.put(_create_step(name, replies.put))
         return ino
 
     async def from_trio() -> tuple[int, list[Step]]:
-        ino = create_big_file()
+        create_big_file()       # answered on this thread: waited for without blocking it
+        ino = (await trio.to_thread.run_sync(_answers, replies, 1))[0].result[0]
         writer.put(_chunk_step(ino, chunks, replies.put))
         for name in names:
             await trio.sleep(0)         # the flusher's thread is writing the data meanwhile
@@ -290,6 +295,89 @@ def test_chunk_data_crosses_to_the_writer_intact_and_in_order(tmp_path, in_trio)
         assert all(view.lookup(S.ROOT_INO, name) for name in names)
     store.close()
     fsck_clean(path)
+
+
+@pytest.mark.parametrize("in_trio", [False, True], ids=["thread", "trio"])
+def test_a_reply_larger_than_the_pipe_arrives_whole(tmp_path, in_trio):
+    """The writer's replies are read on the trio thread (or by a thread outside trio), as
+    the pipe gives them: a file's uncommitted data read back (a LOOK step) is a reply of
+    3 MiB, three times what the pipe holds, so it arrives in many reads."""
+    path = tmp_path / "store"
+    cli("mountfs", "mkfs", path)
+    store = Store.open(path)
+    chunks = [os.urandom(store.chunk_size) for _ in range(3)]
+    size = 3 * store.chunk_size
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    writer = WriterProcess(store, lambda n, txn_no: None, lambda steps, committed: None)
+
+    def steps():
+        """The steps, each sent once the one before is answered (sent back in)."""
+        created = yield _create_step(b"big", replies.put)
+        yield _chunk_step(created.result[0], chunks, replies.put)
+        yield Step(LOOK, _checked_read, (created.result[0], 0, size, size), done=replies.put)
+
+    def answered() -> list[Step]:
+        writer.start()
+        sent, out = steps(), []
+        with contextlib.suppress(StopIteration):
+            step = next(sent)
+            while True:
+                writer.put(step)
+                out.append(_answers(replies, 1)[0])
+                step = sent.send(out[-1])
+        return out
+
+    async def from_trio() -> list[Step]:
+        writer.start()
+        sent, out = steps(), []
+        with contextlib.suppress(StopIteration):
+            step = next(sent)
+            while True:
+                writer.put(step)    # answered on this thread: waited for without blocking it
+                out.append((await trio.to_thread.run_sync(_answers, replies, 1))[0])
+                step = sent.send(out[-1])
+        return out
+
+    try:
+        out = trio.run(from_trio) if in_trio else answered()
+    finally:
+        writer.stop()
+        store.close()
+    assert [step.error for step in out] == [None] * 3
+    bad, data, _ = out[-1].result
+    assert bad is None and data == b"".join(chunks)
+
+
+@given(st.lists(st.integers(0, 300) | st.integers(70_000, 200_000), min_size=1, max_size=6),
+       st.lists(st.integers(min_value=1, max_value=90_000), max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_reply_frames_are_taken_whole_however_the_pipe_cuts_them(sizes, cuts):
+    """Whatever pieces the pipe hands over, each frame comes out once, whole and in order,
+    and ``wanted`` says how much of the frame begun is still to come (replies of a few
+    hundred bytes, and LOOK replies larger than one read)."""
+    frames = [("reply", random.Random(size).randbytes(size), True) for size in sizes]
+    pickles = [pickle.dumps(frame, protocol=5) for frame in frames]
+    wire = b"".join(writer_frames.LENGTH.pack(len(p)) + p for p in pickles)
+    starts = [sum(4 + len(p) for p in pickles[:n]) for n in range(len(pickles))]
+    replies, taken, fed = writer_frames._Replies(), [], 0
+    for cut in [*cuts, len(wire)]:
+        taken += replies.feed(wire[fed:fed + cut])
+        fed = min(fed + cut, len(wire))
+        begun = max([s for s in starts if s <= fed])
+        whole = starts.index(begun) + (fed - begun == 4 + len(pickles[starts.index(begun)]))
+        assert taken == frames[:whole]
+        partial = 4 <= fed - begun < 4 + len(pickles[starts.index(begun)])
+        assert replies.wanted == (begun + 4 + len(pickles[starts.index(begun)]) - fed
+                                  if partial else 0)
+        if fed == len(wire):
+            break
+    assert taken == frames
+
+
+def test_a_reply_frame_longer_than_any_reply_is_refused():
+    """A length no reply can have (a bug in the writer) is an error, not a 4 GiB wait."""
+    with pytest.raises(ValueError, match="reply frame"):
+        writer_frames._Replies().feed(writer_frames.LENGTH.pack(writer_frames.MAX_REPLY + 1))
 
 
 def test_a_frame_refers_to_its_data_without_copying_it():
