@@ -141,7 +141,8 @@ class Engine:
             self._committer.start()
 
     def close(self) -> None:
-        """Commit what is open and stop the writer (idempotent; outside trio too)."""
+        """Commit what is open and stop the writer (idempotent); after trio has ended, or
+        outside it."""
         if self._committer is not None:
             self._committer.stop()
 

@@ -129,6 +129,7 @@ class WriterProcess:
         self._flushing = False              # _flush_unsent is writing (in a worker thread)
         self._room = trio.Event()           # set when there are some (the trio flusher waits)
         self._replies_fd = -1
+        self._replies = _Replies()          # what has come of them, whoever reads them
         self._reader: threading.Thread | None = None    # outside trio: reads the replies
         self._gone = False                  # the writer's exit is handled (_writer_gone)
 
@@ -158,9 +159,12 @@ class WriterProcess:
             trio.lowlevel.spawn_system_task(self._receive)
             self._in_trio = True
         if not self._in_trio:
-            self._reader = threading.Thread(target=self._read, name="mountfs-writer-replies",
-                                            daemon=True)
-            self._reader.start()
+            self._start_reader()
+
+    def _start_reader(self) -> None:
+        self._reader = threading.Thread(target=self._read, name="mountfs-writer-replies",
+                                        daemon=True)
+        self._reader.start()
 
     def put(self, step: Step) -> None:
         """Send a step whose caller waits for it: written now if the pipe has room."""
@@ -208,9 +212,18 @@ class WriterProcess:
         return self._answers_early and self.failed is None
 
     def stop(self) -> None:
-        """Have the writer commit what is open and exit; wait for it (idempotent)."""
+        """Have the writer commit what is open and exit; wait for it (idempotent). Outside
+        trio, or once it has ended: its task no longer reads the replies, so a thread does,
+        as the writer sends them (the writer would wait for room in a full pipe, and
+        this for the writer, forever)."""
         if self._proc is None:
             return
+        if _trio_running():
+            raise RuntimeError("WriterProcess.stop() on the trio thread would wait for the "
+                               "writer that the trio loop answers: call it after trio ends")
+        if self._reader is None and not self._gone:
+            os.set_blocking(self._replies_fd, True)
+            self._start_reader()
         self._frame_held()      # after everything unsent, with it
         if self._proc.poll() is None:
             with contextlib.suppress(OSError):     # it died: its replies' reader has said so
@@ -221,14 +234,8 @@ class WriterProcess:
         self._proc.wait()
         if self._reader is not None:
             self._reader.join()
-        elif not self._gone:        # the replies task has ended with trio, or waits
-            os.set_blocking(self._replies_fd, True)
-            self._take_replies(_Replies())
-            self._writer_gone()
-        for fd in (self._out_fd, self._replies_fd):
-            with contextlib.suppress(RuntimeError):   # trio has ended (the last commit)
-                trio.lowlevel.notify_closing(fd)
-            os.close(fd)
+        os.close(self._out_fd)      # trio has ended: its epoll, which watched them, too
+        os.close(self._replies_fd)
         self._proc = None
 
     def _send(self, op: int, step: Step, now: bool) -> None:
@@ -295,8 +302,12 @@ class WriterProcess:
             while self._unsent:
                 pieces, self._unsent, self._raw_unsent = self._unsent, deque(), 0
                 self._flushing = True
-                try:            # not cancellable: the thread writes them all, or fails
-                    await trio.to_thread.run_sync(_write_all, self._out_fd, pieces)
+                # Shielded: once out of _unsent, the pieces are written, all of them, or
+                # the writer is gone (a frame cut short would garble every later one; one
+                # dropped would lose an answered change). Trio ending waits for it.
+                try:
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(_write_all, self._out_fd, pieces)
                 except OSError:         # the writer died: _receive fails the steps
                     self._unsent.clear()
                     break
@@ -308,13 +319,9 @@ class WriterProcess:
     async def _receive(self) -> None:
         """A trio system task: deliver the writer's replies as they come, until its pipe
         ends (it exited: ``_writer_gone``) or trio does (``stop`` reads the rest)."""
-        replies = _Replies()
         while True:
-            try:
-                await trio.lowlevel.wait_readable(self._replies_fd)
-            except trio.ClosedResourceError:        # stop() has read them all
-                return
-            if not self._take_replies(replies):
+            await trio.lowlevel.wait_readable(self._replies_fd)
+            if not self._take_replies():
                 break
         await trio.to_thread.run_sync(self._proc.wait)     # it has closed its end: exiting
         self._writer_gone()
@@ -322,30 +329,41 @@ class WriterProcess:
     def _read(self) -> None:
         """The reader thread (outside trio)."""
         try:
-            self._take_replies(_Replies())
+            self._take_replies()
         finally:
             self._writer_gone()
 
-    def _take_replies(self, replies: _Replies) -> bool:
+    def _take_replies(self) -> bool:
         """Read and deliver what the writer sent: until the pipe is empty (if it does not
-        block) or ends. False: it ended, or sent what cannot be read (a bug: nothing more
-        from it can be trusted, so it is stopped)."""
-        try:
+        block) or ends. False: it ended, or sent what cannot be read or applied (a bug:
+        nothing more from it can be trusted, so it is stopped)."""
+        replies = self._replies
+        while True:
+            try:
+                data = os.read(self._replies_fd, max(REPLY_READ, replies.wanted))
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if not data:
+                return False
+            replies.add(data)
             while True:
                 try:
-                    data = os.read(self._replies_fd, max(REPLY_READ, replies.wanted))
-                except BlockingIOError:
-                    return True
-                if not data:
+                    frame = replies.next()
+                except Exception:
+                    log.exception("unreadable reply from the writer process; stopping it")
+                    self._proc.kill()
                     return False
-                for frame in replies.feed(data):
+                if frame is None:
+                    break
+                try:
                     self._deliver(frame)
-        except OSError:
-            return False
-        except Exception:
-            log.exception("unreadable reply from the writer process; stopping it")
-            self._proc.kill()
-            return False
+                except Exception:
+                    log.exception("a reply from the writer process could not be applied "
+                                  "(a bug); stopping it")
+                    self._proc.kill()
+                    return False
 
     def _deliver(self, frame: tuple) -> None:
         kind, *rest = frame
@@ -404,29 +422,50 @@ class WriterProcess:
 
 
 class _Replies:
-    """The writer's frames (LENGTH, then a pickle) out of the pieces the pipe gives."""
+    """The writer's frames (LENGTH, then a pickle) out of the pieces the pipe gives
+    (``add``), one at a time (``next``): those before one that cannot be read are
+    delivered."""
 
     def __init__(self):
         self._buffer = bytearray()
-        self.wanted = 0         # bytes the frame being read still needs
+        self._at = 0            # where the next frame begins in _buffer
 
-    def feed(self, data: bytes) -> list[tuple]:
-        buffer = self._buffer
-        buffer += data
-        frames, at = [], 0
-        while len(buffer) - at >= LENGTH.size:
-            length, = LENGTH.unpack_from(buffer, at)
-            if length > MAX_REPLY:
-                raise ValueError(f"a reply frame of {length} bytes")
-            end = at + LENGTH.size + length
-            if end > len(buffer):
-                break
-            frames.append(pickle.loads(buffer[at + LENGTH.size:end]))
-            at = end
-        del buffer[:at]
-        self.wanted = LENGTH.unpack_from(buffer)[0] + LENGTH.size - len(buffer) \
-            if len(buffer) >= LENGTH.size else 0
-        return frames
+    def add(self, data: bytes) -> None:
+        del self._buffer[:self._at]
+        self._at = 0
+        self._buffer += data
+
+    def next(self) -> tuple | None:
+        """The next whole frame, unpickled; None until more comes. ValueError and what
+        unpickling raises: it cannot be read."""
+        length = self._length()
+        if length is None or self._at + LENGTH.size + length > len(self._buffer):
+            return None
+        start, self._at = self._at + LENGTH.size, self._at + LENGTH.size + length
+        return pickle.loads(self._buffer[start:self._at])
+
+    @property
+    def wanted(self) -> int:
+        """Bytes the frame begun still needs (0: none begun, or its length unread)."""
+        length = self._length()
+        return 0 if length is None else \
+            max(0, self._at + LENGTH.size + length - len(self._buffer))
+
+    def _length(self) -> int | None:
+        if len(self._buffer) - self._at < LENGTH.size:
+            return None
+        length, = LENGTH.unpack_from(self._buffer, self._at)
+        if length > MAX_REPLY:
+            raise ValueError(f"a reply frame of {length} bytes")
+        return length
+
+
+def _trio_running() -> bool:
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _frame(op: int, seq: int, body=None, raw: bool = False) -> list[memoryview]:
