@@ -66,16 +66,23 @@ def test_the_writer_dies_with_the_mount_and_the_store_mounts_again(make_mount):
     assert (m.mnt / "kept").read_bytes() == b"fsynced"
 
 
-def _with_writer(tmp_path, posting):
-    """Run ``await posting(writer, ran)`` in trio with a WriterProcess of a new store;
-    ``ran`` collects the posted steps it tells. Returns what ``posting`` returned and
-    ``ran``."""
+def _new_writer(tmp_path) -> tuple[Path, Store, WriterProcess, list[Step]]:
+    """A new store, opened, and a WriterProcess of it (not started) whose told posted
+    steps collect in the list returned with them."""
     path = tmp_path / "store"
     cli("mountfs", "mkfs", path)
     store = Store.open(path)
     ran: list[Step] = []
     writer = WriterProcess(store, lambda n, txn_no: None,
                            lambda steps, committed: ran.extend(steps))
+    return path, store, writer, ran
+
+
+def _with_writer(tmp_path, posting):
+    """Run ``await posting(writer, ran)`` in trio with a WriterProcess of a new store;
+    ``ran`` collects the posted steps it tells. Returns what ``posting`` returned and
+    ``ran``."""
+    _, store, writer, ran = _new_writer(tmp_path)
 
     async def main():
         writer.start()
@@ -405,12 +412,7 @@ def test_trio_ending_with_replies_in_flight_loses_nothing(tmp_path):
     their outcomes, about 1.7 MB, are more than the pipe back holds. stop() must read them
     while it waits for the writer, which otherwise waits for room in the pipe forever;
     every create is then in the store."""
-    path = tmp_path / "store"
-    cli("mountfs", "mkfs", path)
-    store = Store.open(path)
-    ran: list[Step] = []
-    writer = WriterProcess(store, lambda n, txn_no: None,
-                           lambda steps, committed: ran.extend(steps))
+    path, store, writer, ran = _new_writer(tmp_path)
     names = [b"f%05d" % n for n in range(5000)]
 
     async def post_all() -> None:
@@ -432,14 +434,9 @@ def test_trio_ending_while_chunk_data_is_written_loses_no_later_step(tmp_path):
     """Trio ends while the flusher's worker thread writes a step's chunk data into a full
     pipe (the writer stopped a moment) and two posted creates wait behind it: they must
     reach the writer after the data, whole, not be dropped with the cancelled task."""
-    path = tmp_path / "store"
-    cli("mountfs", "mkfs", path)
-    store = Store.open(path)
+    path, store, writer, ran = _new_writer(tmp_path)
     chunks = [os.urandom(store.chunk_size) for _ in range(3)]
     replies: queue.SimpleQueue = queue.SimpleQueue()
-    ran: list[Step] = []
-    writer = WriterProcess(store, lambda n, txn_no: None,
-                           lambda steps, committed: ran.extend(steps))
 
     async def end_while_writing() -> None:
         writer.start()
