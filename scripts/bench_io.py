@@ -12,8 +12,10 @@ Needs root (it drops the page cache between writing and reading) and FUSE. It us
 installed command lines (.venv/bin/mountfs, .venv/bin/snapctl) on a temporary store and
 mountpoint under --workdir, next to the plain baseline directory, and unmounts and removes
 everything at the end, also on an error or Ctrl-C. On a VM that reports free pages to its
-host, each timed run suspends that reporting and restores it after (``pages_kept``); what a
-run killed with SIGKILL left changed, the next run restores first (``restore_kernel_knobs``).
+host, each timed run suspends that reporting and restores it after (``pages_kept``). What a
+run killed with SIGKILL left, the next run clears first: kernel parameters it changed
+(``restore_kernel_knobs``), its work directory and the stores still mounted there
+(``remove_left_workdirs``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -71,13 +74,17 @@ def drop_caches() -> None:
 class Workdir:
     """A temporary directory on a real disk holding the stores, the mountpoints and the
     baseline directory. On exit (also on Ctrl-C or SIGTERM) every mount made through it is
-    unmounted and the directory removed."""
+    unmounted and the directory removed. A run killed with SIGKILL cannot do that: its
+    directory names its run (RUN_PID), and the next run with the same ``prefix`` and
+    ``base`` removes it, mounts and all, first (``remove_left_workdirs``)."""
 
     def __init__(self, base: str, prefix: str):
         fstype = run("stat", "-f", "-c", "%T", base).stdout.strip()
         if fstype in ("tmpfs", "ramfs"):
             raise SystemExit(f"{base} is {fstype}: choose a --workdir on a real disk")
+        remove_left_workdirs(Path(base), prefix)
         self.path = Path(tempfile.mkdtemp(prefix=prefix + "-", dir=base))
+        (self.path / RUN_PID).write_text(f"{os.getpid()}\n")
         self.mounts: list[Path] = []
 
     def __enter__(self) -> "Workdir":
@@ -87,10 +94,53 @@ class Workdir:
 
     def __exit__(self, *exc) -> None:
         for mnt in reversed(self.mounts):
-            if subprocess.run([VENV_BIN / "mountfs", "umount", mnt],
-                              capture_output=True).returncode != 0:
-                subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+            _unmount(mnt)
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+RUN_PID = "run.pid"     # in a work directory: the pid of the run that made it
+
+
+def remove_left_workdirs(base: Path, prefix: str) -> None:
+    """Unmount and remove the work directories (``prefix``-*) that runs killed with SIGKILL
+    left under ``base``, and say so. Their mounts' processes still run, each holding a
+    store and its memory; unmounted, they exit. A directory without RUN_PID, or whose run
+    still runs, is not ours to touch."""
+    for path in sorted(base.glob(f"{prefix}-*")):
+        try:
+            pid = int((path / RUN_PID).read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(pid):
+            continue
+        left = _mounts_under(path)
+        for mnt in left:
+            _unmount(mnt)
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"bench_io: removed {path} and its {len(left)} mount(s), left by a killed run "
+              f"(pid {pid})")
+
+
+def _mounts_under(path: Path) -> list[Path]:
+    """The mountpoints at or under ``path``, deepest first (/proc/self/mountinfo's fifth
+    field, whose spaces, tabs, newlines and backslashes are octal escapes)."""
+    top = str(path.resolve())
+    found = []
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)),
+                           line.split()[4])
+            if point == top or point.startswith(top + "/"):
+                found.append(Path(point))
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+def _unmount(mnt: Path) -> None:
+    """``mountfs umount`` (which also detaches a dead mount), else a lazy fusermount3 (the
+    floor, or a mount that will not go)."""
+    if subprocess.run([VENV_BIN / "mountfs", "umount", mnt],
+                      capture_output=True).returncode != 0:
+        subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
 
 
 def _raise_interrupt(signum, frame):

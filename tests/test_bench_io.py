@@ -1,0 +1,101 @@
+"""scripts/bench_io.py, the issue-12 benchmark, as a user runs it: a run killed with SIGKILL
+cannot unmount what it mounted; the next run must clear it, so that no store stays mounted
+(a process holding its memory) under a work directory nobody owns any more."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = [sys.executable, str(REPO / "scripts" / "bench_io.py"), "--quick", "--only", "small"]
+
+
+def mountfs_mounts_under(path: Path) -> dict[Path, int | None]:
+    """Each mountfs mountpoint under ``path`` -> the pid of the process serving it (None:
+    a dead mount)."""
+    with open("/proc/self/mountinfo") as mountinfo:
+        points = [line.split()[4] for line in mountinfo if "mountfs" in line.split(" - ")[1]]
+    return {Path(point): serving(point) for point in points
+            if point.startswith(str(path) + "/")}
+
+
+def serving(point: str) -> int | None:
+    """The pid of the mount process serving ``point`` (its command line names it)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--ready-fd" in argv and point.encode() in argv:
+            return int(proc.name)
+    return None
+
+
+def wait_for(what, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what.__doc__ or what}")
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """A --workdir; whatever stays mounted under it (the test failed) is unmounted after."""
+    yield tmp_path
+    for mnt in mountfs_mounts_under(tmp_path):
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+
+
+@pytest.mark.fuse
+def test_the_next_run_clears_what_a_killed_run_left(workdir):
+    tmp_path = workdir
+    killed = subprocess.Popen([*BENCH, "--workdir", str(tmp_path)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        left = wait_for(lambda: mountfs_mounts_under(tmp_path))
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    assert mountfs_mounts_under(tmp_path) == left         # nobody cleared them: the case
+    (workdir,) = [p for p in tmp_path.iterdir() if p.name.startswith("bench-io-")]
+
+    after = subprocess.run([*BENCH, "--workdir", str(tmp_path)], capture_output=True,
+                           text=True, timeout=600)
+
+    assert after.returncode == 0, after.stderr
+    assert f"bench_io: removed {workdir} and its 1 mount(s), left by a killed run " \
+           f"(pid {killed.pid})" in after.stdout
+    assert mountfs_mounts_under(tmp_path) == {}
+    assert list(tmp_path.iterdir()) == []
+    assert None not in left.values()
+    for pid in left.values():               # unmounted, the mount's process exits
+        wait_for(lambda: not Path(f"/proc/{pid}").exists() or
+                 Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z",
+                 timeout=60)
+
+
+def test_a_run_does_not_touch_a_directory_it_cannot_attribute(tmp_path):
+    """Another live run's directory, or one without a run's pid, stays."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_io
+    mine = tmp_path / "bench-io-live"
+    mine.mkdir()
+    (mine / bench_io.RUN_PID).write_text(f"{os.getpid()}\n")
+    foreign = tmp_path / "bench-io-foreign"
+    foreign.mkdir()
+    (foreign / "data").write_text("not a benchmark's")
+
+    bench_io.remove_left_workdirs(tmp_path, "bench-io")
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench-io-foreign", "bench-io-live"]
+    assert (foreign / "data").read_text() == "not a benchmark's"
