@@ -44,7 +44,6 @@ import collections
 import contextlib
 import errno
 import logging
-import os
 import queue
 import threading
 import time
@@ -55,13 +54,14 @@ from . import buckets, gc
 from . import schema as S
 from .namespace import FsError, Live, View
 from .store import Store, StoreError, StoreFull
+from .units import env_duration
 
 log = logging.getLogger(__name__)
 
 # s: the longest a returned change waits for its commit (tests set an hour: then only
 # fsync, snapshots and unmount commit, and every read of an answered change must find it
 # through its marks)
-COMMIT_DELAY = float(os.environ.get("MOUNTFS_COMMIT_DELAY", "0.005"))
+COMMIT_DELAY = env_duration("MOUNTFS_COMMIT_DELAY", "0.005", zero=True)
 TXN_BYTES = 32 << 20        # chunk data that makes a transaction commit early
 TXN_STEPS = 5000            # steps that make a transaction commit early
 BATCH_STEPS = 256           # posted steps that make their batch run early (Committer.post)

@@ -494,6 +494,10 @@ def request(store: str | os.PathLike, payload: dict, timeout: float = 600.0,
     except socket.timeout:
         raise ControlError(f"the mount serving {store} did not answer within "
                            f"{timeout:.0f} s") from None
+    except OSError as e:        # ECONNABORTED and the like: the mount died meanwhile
+        raise ControlError(f"the mount serving {store} broke off the request "
+                           f"({e.strerror}): if its process died, 'mountfs umount' its "
+                           f"mountpoint and mount it again") from None
     finally:
         s.close()
     if not buf:

@@ -18,6 +18,7 @@ import trio
 
 from . import schema as S
 from .namespace import FsError
+from .units import env_duration
 
 def _dirty_limit() -> int:
     """Bytes of dirty chunks before writers wait for flushes: a tenth of the machine's
@@ -32,7 +33,7 @@ DIRTY_LIMIT = _dirty_limit()
 # A dirty chunk older than this is committed even if its file stays open and is never
 # fsynced (Linux writes back dirty pages after 30 s too): what a crash of the mount can take
 # from an open file is bounded in time, not only in size.
-DIRTY_EXPIRE = float(os.environ.get("MOUNTFS_DIRTY_EXPIRE", "30"))
+DIRTY_EXPIRE = env_duration("MOUNTFS_DIRTY_EXPIRE", "30")
 HASH_THREADS = trio.CapacityLimiter(2)
 INLINE_HASH = 64 << 10          # hashing this much takes microseconds: less than a thread hop
                                 # (a commit here; a first read in Engine.verify)

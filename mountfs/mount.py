@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,12 +46,17 @@ class MountInfo:
 
 
 def _unescape(field: str) -> str:
-    return field.encode().decode("unicode_escape") if "\\" in field else field
+    """A mountinfo field as the path it names: the kernel writes a space, tab, newline or
+    backslash in it as an octal escape; other bytes (UTF-8 or not) come as they are."""
+    if "\\" not in field:
+        return field
+    raw = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), os.fsencode(field))
+    return os.fsdecode(raw)
 
 
 def mounts() -> list[MountInfo]:
     out = []
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:   # paths, any bytes
         for line in f:
             left, _, right = line.partition(" - ")
             fields, rfields = left.split(), right.split()
@@ -138,6 +144,28 @@ def _check_mountpoint(mountpoint: str) -> None:
         raise StoreError(f"{mountpoint} is already a mountpoint")
 
 
+def _check_apart(store_path: str, mountpoint: str) -> None:
+    """Refuse a mountpoint that is the store's directory or one above it: the mount would
+    cover the store, and its writer, opening the store through the mount it serves, would
+    wait for it forever."""
+    store = os.path.realpath(store_path)
+    if store == mountpoint or store.startswith(mountpoint.rstrip("/") + "/"):
+        what = "is the store's own directory" if store == mountpoint else \
+            f"contains the store {store}"
+        raise StoreError(f"{mountpoint} {what}: a mount there would hide the store from its "
+                         f"own mount; mount it on another directory")
+
+
+def _fsname(store_path: str) -> str:
+    """The ``fsname`` mount option, which the kernel shows as the mount's source (``mounts``
+    reads the store's path back from it). libfuse splits options at commas and reads
+    backslash escapes, so commas, backslashes and every byte that is not printable ASCII go
+    as octal escapes: a store named 's,allow_other' must not switch that option on."""
+    plain = set(range(0x21, 0x7f)) - set(b",\\")
+    return "fsname=" + "".join(chr(b) if b in plain else f"\\{b:03o}"
+                               for b in os.fsencode(f"mountfs:{store_path}"))
+
+
 # ---- the mount process ------------------------------------------------------------------------
 
 def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
@@ -154,6 +182,7 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
     from .store import Store
     mountpoint = canonical(mountpoint)
     _check_mountpoint(mountpoint)
+    _check_apart(store_path, mountpoint)
     runtime_dir(create=True)    # refused now, not by the control server once mounted
     keep_freed_buffers()
     sys.setswitchinterval(GIL_SWITCH)
@@ -167,7 +196,7 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
         engine = Engine(store)
         ops = Operations(engine, read_only=read_only)
         options = set(pyfuse3.default_options)
-        options |= {f"fsname=mountfs:{store.path}", "subtype=mountfs"}
+        options |= {_fsname(store.path), "subtype=mountfs"}
         if allow_other:
             options.add("allow_other")
         if read_only:
@@ -285,11 +314,23 @@ def mount_background(store: str, mountpoint: str, allow_other: bool, read_only: 
     text = msg.decode(errors="replace").strip()
     if text == "READY":
         return proc.pid
-    if not text:
-        rc = proc.poll()
-        raise StoreError(f"the mount process exited (status {rc}) without mounting; "
-                         f"see {log_path}")
-    raise StoreError(text.removeprefix("ERROR "))
+    if text:
+        raise StoreError(text.removeprefix("ERROR "))
+    raise StoreError(_silent_end(proc, mountpoint, log_path))
+
+
+def _silent_end(proc: subprocess.Popen, mountpoint: str, log_path: Path) -> str:
+    """What to tell of a mount process that said neither READY nor why not: it died (and
+    may have left its dead mount behind), or it hangs."""
+    try:
+        rc = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        return (f"the mount process (pid {proc.pid}) has not mounted and does not answer; "
+                f"see {log_path}, and stop it with 'kill {proc.pid}'")
+    if any(m.mountpoint == canonical(mountpoint) for m in mounts()):
+        return (f"the mount process died (status {rc}) after mounting; see {log_path}, and "
+                f"detach its dead mount with 'mountfs umount {mountpoint}'")
+    return f"the mount process exited (status {rc}) without mounting; see {log_path}"
 
 
 def _open_log(store: str) -> tuple[Path, int | None]:

@@ -11,6 +11,7 @@ lock (so it can never race a mount).
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import posixpath
@@ -99,7 +100,13 @@ def syncfs(path: str, store: str) -> None:
     """Push the kernel's cached writes for the filesystem at ``path`` to the mount (unless
     its process is stopped: the syncfs would wait for it)."""
     control.check_running(path, store)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):   # dead, or dying now
+            raise StoreError(f"the mount at {path} is dead (its process is gone): run "
+                             f"'mountfs umount {path}', then mount {store} again") from None
+        raise StoreError(f"{path}: {e.strerror}") from None
     try:
         ctypes.CDLL(None, use_errno=True).syncfs(fd)
     finally:
@@ -145,7 +152,7 @@ def target_of(ctx) -> Target:
 @target_options
 @click.pass_context
 def create(ctx, name):
-    """Take snapshot NAME of the live tree (everything written before it returns).
+    """Take snapshot NAME of the live tree (everything written before this command started).
 
     Names of the form of mountfsd's own (auto-YYYYmmddTHHMMSS.ffffffZ) are refused: the
     daemon would prune them as its own."""

@@ -106,6 +106,7 @@ class Store:
             raise StoreError(f"chunk size {chunk_size} must be a power of two between "
                              f"{MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE} bytes")
         check_new_store(path)
+        _refuse_a_mountpoint(path)
         if path.exists() and any(path.iterdir()):
             raise StoreError(f"{path} is not empty; refusing to create a store over it")
         path.mkdir(parents=True, exist_ok=True)
@@ -139,6 +140,7 @@ class Store:
         if not path.is_dir():
             raise StoreError(f"{path}: no such store directory")
         if not _data_file(path).exists():
+            _refuse_a_mountpoint(path)
             raise StoreError(f"{path} is not a mountfs store (no data.mdb); create one with "
                              f"'mountfs mkfs {path}'")
         if _data_file(path).stat().st_size == 0:    # LMDB would make a new, empty one in it
@@ -309,6 +311,18 @@ class Store:
             st.f_blocks * st.f_frsize
 
 
+def _refuse_a_mountpoint(path: Path) -> None:
+    """Say so when ``path`` is where a store is mounted: a user giving the mountpoint for the
+    store must be pointed at the store, not told to make one there (inside the mount)."""
+    from .mount import canonical, mounts        # only to explain a refusal
+    known = mounts()
+    where = canonical(str(path), known)
+    store = next((m.store for m in known if m.mountpoint == where), None)
+    if store is not None:
+        raise StoreError(f"{path} is where the store {store} is mounted, not a store: give "
+                         f"the store's directory instead")
+
+
 def _open_env(path: Path, readonly: bool, create: bool,
               readahead: bool = True) -> lmdb.Environment:
     # Readahead on suits chunk data (a chunk's overflow pages are contiguous, read in
@@ -426,10 +440,11 @@ def _release_lock(fd: int) -> None:
 def lock_holder(path: str | os.PathLike) -> str | None:
     """Who holds the store lock ('pid N ...'), or None if it is free. Root asks this of
     users' stores (umount): a link or a FIFO in the lock's place is nobody's lock, never a
-    file to read or an open that waits forever."""
+    file to read or an open that waits forever. Nor is a lock that cannot be opened (the
+    store's path runs through a dead FUSE mount: ENOTCONN)."""
     try:
         fd = open_regular(Path(path) / "lock", os.O_RDONLY)
-    except (FileNotFoundError, StoreError):
+    except (OSError, StoreError):
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -9,8 +9,11 @@ more than 0 and at most MAX_DURATION (each is a timeout, an interval or a thresh
 
 from __future__ import annotations
 
+import os
 import re
 from typing import NamedTuple
+
+from .errors import StoreError
 
 SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -46,6 +49,26 @@ def parse_duration(value: str | int | float) -> float:
         raise ValueError(f"must be more than 0 and at most {MAX_DURATION // 86400}d "
                          f"(got {value!r})")
     return seconds
+
+
+def env_duration(name: str, default: str, zero: bool = False) -> float:
+    """Seconds from environment variable ``name`` (``default`` when unset or empty) as
+    ``parse_duration`` reads them, and with ``zero`` also 0 ("at once"). A bad value is a
+    StoreError naming the variable: the modules tuned by one read it when imported, which a
+    mount does before it mounts anything, so the mount refuses in one line."""
+    raw = os.environ.get(name) or default
+    try:
+        if zero and float(raw) == 0:
+            return 0.0
+    except ValueError:
+        pass                    # not a plain number: a duration with its unit, or a typo
+    try:
+        return parse_duration(raw)
+    except ValueError as e:
+        least = "0" if zero else "more than 0"
+        raise StoreError(f"${name}={raw!r} is not a duration: it takes seconds ({least} "
+                         f"up to {MAX_DURATION // 86400}d, e.g. {default} or 250ms); fix "
+                         f"or unset it") from e
 
 
 class Address(NamedTuple):

@@ -97,6 +97,21 @@ def fsck_clean(store: Path) -> None:
     assert res.returncode == 0, f"fsck found problems:\n{res.stdout}{res.stderr}"
 
 
+def gone(pid: int, within: float = 10.0) -> bool:
+    """Whether process ``pid`` ends within ``within`` seconds (a zombie counts as ended: it
+    may be another process's child, not ours to reap)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.02)
+    return False
+
+
 class Mount:
     """A store mounted for real by a background ``mountfs mount`` process."""
 
@@ -134,12 +149,7 @@ class Mount:
         """Kill the mount process as a crash would, and detach the dead mount."""
         pid = self.pid
         os.kill(pid, signal.SIGKILL)
-        for _ in range(200):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.02)
+        gone(pid)
         subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
 
     def snapctl(self, *args, check=True):

@@ -22,7 +22,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import cli, fsck_clean
+from conftest import cli, fsck_clean, gone
 from mountfs import schema as S
 from mountfs import writer as writer_frames
 from mountfs.committer import BATCH_STEPS, COMMIT, LIVE, LOOK, Step
@@ -40,17 +40,6 @@ def writer_pid(mount_pid: int) -> int:
             if b"mountfs.writer" in Path(f"/proc/{child}/cmdline").read_bytes():
                 return int(child)
     raise AssertionError(f"mount process {mount_pid} has no writer process")
-
-
-def gone(pid: int, within: float = 10.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_the_writer_dies_with_the_mount_and_the_store_mounts_again(make_mount):
