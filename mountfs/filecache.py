@@ -132,6 +132,7 @@ class OpenFile:
         self.opens = 0
         self.lock = CommitLock()
         self.error: int | None = None         # a failed background flush, reported once
+        self.dropped = False                  # the last close dropped uncommitted writes
 
 
 class FileCache:
@@ -156,12 +157,15 @@ class FileCache:
 
     async def release(self, of: OpenFile) -> None:
         """Last close of a handle. If the data cannot be committed (ENOSPC), the writer was
-        told by close(2) (flush runs first); with no handle left, the buffer is dropped."""
+        told by close(2) (flush runs first); with no handle left, the buffer is dropped,
+        and with it the size it gave the file: ``of.dropped`` then tells the caller that
+        what the kernel was shown (size, pages read) is no longer the file."""
         try:
             await self.flush(of)
         finally:
             of.opens -= 1
             if of.opens == 0:
+                of.dropped = bool(of.dirty) or of.mtime_ns is not None
                 self.forget_dirty(of.ino)
                 self.files.pop(of.ino, None)
 

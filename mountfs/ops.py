@@ -66,10 +66,17 @@ def guard(fn):
 
 
 class Handle:
-    __slots__ = ("ino", "of", "epoch", "real", "size")
+    """An open file. ``writing``: opened for writing (``flush`` reports the file's
+    failed commits to these handles only)."""
+    __slots__ = ("ino", "of", "epoch", "real", "size", "writing")
 
-    def __init__(self, ino: int, of: OpenFile | None, epoch: int | None, real: int, size: int):
+    def __init__(self, ino: int, of: OpenFile | None, epoch: int | None, real: int, size: int,
+                 writing: bool = False):
         self.ino, self.of, self.epoch, self.real, self.size = ino, of, epoch, real, size
+        self.writing = writing
+
+
+WRITING = os.O_WRONLY | os.O_RDWR | os.O_TRUNC      # open flags of a handle that writes
 
 
 class Operations(pyfuse3.Operations):
@@ -435,7 +442,7 @@ class Operations(pyfuse3.Operations):
     @guard
     async def create(self, parent_inode, name, mode, flags, ctx):
         attrs = await self._make(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx)
-        return self._open_live(attrs.st_ino, 0), attrs
+        return self._open_live(attrs.st_ino, 0, bool(flags & WRITING)), attrs
 
     @guard
     async def link(self, inode, new_parent_inode, new_name, ctx):
@@ -561,19 +568,19 @@ class Operations(pyfuse3.Operations):
         self.handles[fh] = handle
         return fh
 
-    def _open_live(self, ino: int, size: int) -> pyfuse3.FileInfo:
+    def _open_live(self, ino: int, size: int, writing: bool) -> pyfuse3.FileInfo:
         """A handle of a live file. On a writable mount the kernel keeps the file's pages
         across opens, as a local filesystem does (a build reopening its headers reads them
         once): only this mount changes the store, every write passes through those pages,
         and a rollback invalidates what it changed (``invalidate``). A read-only mount
         follows a store another process writes, so its opens drop them."""
         of = self.engine.files.open(ino, size)
-        return pyfuse3.FileInfo(fh=self._new_fh(Handle(ino, of, None, ino, size)),
+        return pyfuse3.FileInfo(fh=self._new_fh(Handle(ino, of, None, ino, size, writing)),
                                 keep_cache=not self.read_only)
 
     @guard
     async def open(self, inode, flags, ctx):
-        writing = flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC)
+        writing = bool(flags & WRITING)
         epoch, real = self._where(inode)
         if writing:
             self._writable(inode)
@@ -583,7 +590,7 @@ class Operations(pyfuse3.Operations):
         if epoch is not None:
             fh = self._new_fh(Handle(inode, None, epoch, real, rec.size))
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
-        info = self._open_live(inode, rec.size)
+        info = self._open_live(inode, rec.size, writing)
         # Always, even at stored size 0: another handle may hold buffered writes, and
         # POSIX has O_TRUNC update mtime/ctime of an existing file even if it was empty.
         if flags & os.O_TRUNC:
@@ -650,8 +657,14 @@ class Operations(pyfuse3.Operations):
 
     @guard
     async def flush(self, fh):
+        """close(2) of a handle. One opened for writing commits the file's buffered writes
+        and hears why they could not be committed (ENOSPC): the error is the writer's. One
+        opened only for reading commits nothing and hears nothing, as NFS's close
+        (nfs_file_flush): a reader's close of its own handle must not fail with the ENOSPC
+        of another process's writes (nor wait for their commit). The writer's own close
+        commits them, and the last RELEASE tries once more before they are dropped."""
         h = self.handles[fh]
-        if h.of is not None:
+        if h.of is not None and h.writing:
             await self.engine.files.flush(h.of)
 
     @guard
@@ -663,8 +676,28 @@ class Operations(pyfuse3.Operations):
             try:
                 await self.engine.files.release(h.of)
             finally:
+                if h.of.dropped:
+                    await self._forget_dropped(h.ino)
                 if h.ino not in self.lookups:
                     await self.reap([h.ino])
+
+    async def _forget_dropped(self, ino: int) -> None:
+        """The last close of ``ino`` dropped writes the store could not take (a full disk):
+        the kernel still holds the size their replies and our GETATTRs gave it (for the
+        attribute timeout, minutes) and the pages read from the buffer (kept across opens,
+        ``_open_live``), so stat would say one size and a read return another, or data
+        that is nowhere. Make it forget both: every later stat and read then sees the
+        committed file. In a worker thread, as ``invalidate``: dropping pages waits for
+        the lock of a page a READ of ours may still have to answer."""
+        if ino not in self.lookups:
+            return                          # the kernel no longer holds the inode
+
+        def drop_caches():
+            try:
+                pyfuse3.invalidate_inode(ino, attr_only=False)
+            except OSError:
+                pass
+        await trio.to_thread.run_sync(drop_caches)
 
     @contextlib.contextmanager
     def _releasing(self, ino: int):

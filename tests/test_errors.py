@@ -384,6 +384,51 @@ def test_the_space_a_delete_frees_is_usable_at_once(small_disk, make_mount):
     m.check_fsck = False
 
 
+def test_writes_a_full_disk_dropped_leave_stat_and_read_agreeing(small_disk, make_mount):
+    """Writes the full disk could not take are dropped at the file's last close; then stat
+    and read must both show the committed file, and the ENOSPC is the writer's alone. The
+    kernel kept the size the writes gave it (for the attribute timeout: minutes) and the
+    pages a reader had read from the buffer (kept across opens): stat said 5 MB while a
+    read returned nothing, or returned data the store never had. And a reader's close(2)
+    committed the writer's buffer and failed with its ENOSPC."""
+    store = small_disk / "store"
+    cli("mountfs", "mkfs", store)
+    m = make_mount(store)
+    fill_disk(m.mnt / "flood", 200)
+    path = m.mnt / "f2"
+    data = os.urandom(5_000_000)
+    written = 0
+    w = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while written < len(data):
+            written += os.write(w, data[written:written + (1 << 20)])
+    except OSError as e:                        # a chunk that filled could not be committed
+        assert e.errno == errno.ENOSPC, e
+    with pytest.raises(OSError) as info:
+        os.fsync(w)
+    assert info.value.errno == errno.ENOSPC, info.value
+    r = os.open(path, os.O_RDONLY)              # a reader, while the writes are buffered
+    with open(r, "rb", closefd=False) as h:
+        assert h.read() == data[:written]
+    with pytest.raises(OSError) as info:
+        os.close(w)                             # the writer hears it ...
+    assert info.value.errno == errno.ENOSPC, info.value
+    os.close(r)                                 # ... the reader does not
+    deadline = time.monotonic() + 10            # RELEASE comes after close(2) returned
+    while path.stat().st_size == written and time.monotonic() < deadline:
+        time.sleep(0.05)
+    size = path.stat().st_size
+    seen = path.read_bytes()
+    assert len(seen) == size and seen == data[:size]
+    m.umount()
+    m.mount()
+    assert path.stat().st_size == size, "stat showed writes that were dropped"
+    assert path.read_bytes() == seen
+    m.umount()
+    fsck_clean(store)                                    # before the small disk goes away
+    m.check_fsck = False
+
+
 # ---- corruption -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("size", [20_000, 300_000], ids=["small: checked inline",
