@@ -271,7 +271,7 @@ class ControlServer:
         except trio.BrokenResourceError:
             return                      # the client went away
         except (StoreError, FsError, ValueError) as e:
-            reply = {"ok": False, "error": _message(e)}
+            reply = {"ok": False, "error": _message(e, self.engine.store.path)}
             if isinstance(e, SnapshotInUse):
                 reply["busy"] = True
         except Exception as e:        # never let a bad request take the mount down
@@ -351,9 +351,13 @@ def _uuid(text: str) -> bytes:
     return uuid
 
 
-def _message(e: Exception) -> str:
+def _message(e: Exception, store) -> str:
+    """A refusal in one line; a full disk says whose, and what gives room."""
     from .namespace import FsError
     if isinstance(e, FsError):
+        if e.errno == errno.ENOSPC:
+            return (f"no space left on the disk of the store {store}: free some there, or "
+                    f"delete files or snapshots ('snapctl delete NAME') of this store")
         return os.strerror(e.errno)
     return str(e)
 

@@ -326,6 +326,19 @@ def test_a_full_disk_reaches_the_writer_and_loses_nothing(small_disk, make_mount
     m.check_fsck = False
 
 
+def test_a_snapshot_the_full_disk_refuses_says_whose_disk(tmp_path):
+    """A snapshot that finds no room said only "No space left on device"."""
+    with tmpfs_disk(tmp_path / "tiny", "32k") as tiny:
+        cli("mountfs", "mkfs", tiny / "store")
+        (tmp_path / "mnt").mkdir()
+        cli("mountfs", "mount", tiny / "store", tmp_path / "mnt")
+        try:
+            fails_clearly("snapctl", "-m", tmp_path / "mnt", "create", "s1",
+                          contains=f"no space left on the disk of the store {tiny}/store: ")
+        finally:
+            cli("mountfs", "umount", tmp_path / "mnt")
+
+
 _DELETE_THEN_WRITE = r"""
 import errno, os, subprocess, sys
 mnt, rounds, snapctl = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
