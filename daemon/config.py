@@ -37,17 +37,16 @@ in UTF-8.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import SplitResult, urlsplit
 
 from mountfs.snapnames import DAEMON_PREFIX
 from mountfs.units import Address, parse_duration, parse_listen, parse_size
+from replicator.urls import url_problem
 
 from .retention import Policy, PolicyError, parse_policy
 
@@ -55,9 +54,6 @@ MAX_CONFIG_BYTES = 1 << 20
 DURATIONS = {"min_interval": "10s", "max_interval": "15m", "lag_warning": "5m",
              "lag_critical": "1h", "stall_timeout": "5m"}     # the defaults, as written
 NAME = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,99}$")
-HOST = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_\-]*[A-Za-z0-9_])?"
-                  r"(\.[A-Za-z0-9_]([A-Za-z0-9_\-]*[A-Za-z0-9_])?)*\.?$")
-URL_FORMS = "expected file:///path or http(s)://host:port"
 
 
 class ConfigError(Exception):
@@ -143,46 +139,6 @@ def _decode(path: Path, data: bytes) -> str:
                           f"{e.start}); save the file as UTF-8") from None
 
 
-def _url_problem(url: str) -> str | None:
-    """What is wrong with a mirror URL, or None: checked here so that the daemon never
-    meets a URL it cannot use (a ValueError from deep inside a cycle)."""
-    if not re.match(r"^(file|https?)://", url):
-        return URL_FORMS
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        return f"{e} in {url!r}; {URL_FORMS}"
-    if parts.query or parts.fragment:
-        return "no ?query or #fragment allowed"
-    if parts.scheme == "file":
-        return _file_url_problem(parts)
-    if not parts.hostname or not _host_ok(parts.hostname):
-        return f"no valid host in {url!r}; {URL_FORMS}"
-    if parts.username is not None or parts.password is not None:
-        return "no user@ in the URL: the token goes in token_file"
-    if port == 0:
-        return "port 0 is out of range 1-65535"
-    return None
-
-
-def _file_url_problem(parts: SplitResult) -> str | None:
-    if parts.netloc not in ("", "localhost"):
-        return (f"names the host {parts.netloc!r}: write file:///{parts.netloc}{parts.path} "
-                f"(three slashes)")
-    if not parts.path.startswith("/") or os.path.normpath(parts.path) == "/":
-        return "name a directory of the mirror's own, like file:///srv/mirror (not /)"
-    return None
-
-
-def _host_ok(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return bool(HOST.match(host)) and len(host) <= 253
-
-
 class _Checker:
     """Walks the parsed TOML, building the config and naming the line of any bad key."""
 
@@ -241,7 +197,7 @@ class _Checker:
     def mirror(self, raw: dict, where: str) -> MirrorConfig:
         self.only(raw, where, {"url", "token_file", "ca_file", "retention", "admin_token_file"})
         url = self.string(raw, where, "url", required=True)
-        if problem := _url_problem(url):
+        if problem := url_problem(url):
             self.fail(where, "url", problem)
         return MirrorConfig(url, self.absolute_path(raw, where, "token_file"),
                             self.absolute_path(raw, where, "ca_file"),

@@ -150,6 +150,7 @@ class _Units(click.ParamType):
 
 
 SIZE = _Units("size", units.parse_size)
+POSITIVE_SIZE = _Units("size", units.parse_positive_size)
 DURATION = _Units("duration", units.parse_duration)
 LISTEN = _Units("address", units.parse_listen)
 

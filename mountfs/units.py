@@ -34,6 +34,14 @@ def parse_size(value: str | int) -> int:
     return int(m.group(1)) * SIZE_UNITS[m.group(2).upper()]
 
 
+def parse_positive_size(value: str | int) -> int:
+    """``parse_size`` of a size that must be more than 0 (an amount per batch or task)."""
+    size = parse_size(value)
+    if size == 0:
+        raise ValueError(f"must be more than 0 (got {value!r})")
+    return size
+
+
 def parse_duration(value: str | int | float) -> float:
     """Seconds from ``300``, ``"300"``, ``"5m"``, ``"1.5h"``, ``"250ms"``; ValueError otherwise,
     also outside (0, MAX_DURATION]."""

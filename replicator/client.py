@@ -29,8 +29,12 @@ def commit_timeout(parts: int) -> httpx.Timeout:
 
 def _client(url: str, token: str | None, ca_file: str | None) -> httpx.Client:
     if not token:
-        raise StoreError("no token for the mirror: pass --token-file FILE or set "
-                         "MOUNTFS_TOKEN")
+        raise StoreError("no token for the mirror (none given, or an empty token file): "
+                         "pass --token-file FILE or set MOUNTFS_TOKEN")
+    if not all(" " < c <= "~" for c in token):
+        raise StoreError("the mirror's token has a character a bearer token cannot carry "
+                         "(a space, a control character or a non-ASCII one such as a "
+                         "typographic quote): fix its token file or MOUNTFS_TOKEN")
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}",
                                                "Accept-Encoding": "identity"},
                         timeout=TIMEOUT, verify=_tls_context(ca_file))

@@ -16,7 +16,8 @@ import sys
 import click
 
 from mountfs import snapctl
-from mountfs.clitools import CONTEXT, DURATION, LISTEN, SIZE, escaped, fail, target_options
+from mountfs.clitools import (CONTEXT, DURATION, LISTEN, POSITIVE_SIZE, SIZE, escaped, fail,
+                              target_options)
 from mountfs.errors import StoreError
 
 TOKEN_HELP = "Bearer token for an http(s) mirror (else $MOUNTFS_TOKEN)."
@@ -122,7 +123,7 @@ def _take_snapshot(where) -> str:
               help="Spark master (spark://, yarn, k8s://); default: embedded local[*].")
 @click.option("--token-file", type=click.Path(dir_okay=False), help=TOKEN_HELP)
 @click.option("--ca-file", type=click.Path(dir_okay=False), help=CA_HELP)
-@click.option("--batch-size", type=SIZE, default="32M", show_default=True,
+@click.option("--batch-size", type=POSITIVE_SIZE, default="32M", show_default=True,
               help="Bytes of chunks per Spark task (K, M, G suffixes).")
 @click.option("--spark-threshold", type=SIZE, default="16M", show_default=True,
               help="Send at most this much without starting Spark (0: always use Spark).")
@@ -451,12 +452,12 @@ def forget_mirror(ctx, url):
               "its one commit).")
 @click.option("--keep-free", type=SIZE, default="2G", show_default=True,
               help="Staging never leaves less than this free on the mirror's disk.")
-@click.option("--staging-expiry", type=float, default=86400.0, show_default=True,
-              metavar="SECONDS", help="Drop staged chunks of a cycle that sent nothing for "
-              "this long (abandoned).")
-@click.option("--body-timeout", type=float, default=300.0, show_default=True,
-              metavar="SECONDS", help="Grace time to send a request body; after it a body "
-              "must have averaged 64 KiB/s, or it is cut off (408).")
+@click.option("--staging-expiry", type=DURATION, default="1d", show_default=True,
+              help="Drop staged chunks of a cycle that sent nothing for this long "
+              "(abandoned; 30m, 1d, ...).")
+@click.option("--body-timeout", type=DURATION, default="5m", show_default=True,
+              help="Grace time to send a request body (30s, 5m, ...); after it a body must "
+              "have averaged 64 KiB/s, or it is cut off (408).")
 @click.option("--tls-cert", type=click.Path(dir_okay=False), help="Serve HTTPS with this "
               "certificate (PEM); needs --tls-key.")
 @click.option("--tls-key", type=click.Path(dir_okay=False), help="The certificate's key.")

@@ -4,12 +4,12 @@ the same calls: info, missing, a sink for the Spark tasks, commit and rollback."
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import urlparse
 
 from mountfs.store import Store, StoreError
 
 from . import mirror
 from .changeset import Changeset
+from .urls import file_url_path, url_problem
 
 
 def open_mirror(url: str, chunk_size: int, token: str | None = None,
@@ -19,23 +19,19 @@ def open_mirror(url: str, chunk_size: int, token: str | None = None,
     path = local_path(url)
     if path is not None:
         return LocalMirror(path, chunk_size, create)
-    if urlparse(url).scheme in ("http", "https"):
-        from .client import HttpMirror
-        return HttpMirror(url, token, ca_file)
-    raise StoreError(f"unsupported mirror URL {url!r}: use file:///path or http(s)://host:port")
+    from .client import HttpMirror
+    return HttpMirror(url, token, ca_file)
 
 
 def local_path(url: str) -> Path | None:
-    """The path a ``file://`` URL names (None for another scheme). A file URL with a host
-    is refused: in ``file://var/tmp/x`` "var" is the host and the path is /tmp/x, a
-    directory the user never named; a mirror on a path is on this host."""
-    parsed = urlparse(url)
-    if parsed.scheme != "file":
+    """The path a ``file://`` URL names (None for http(s)), refusing in one line a URL that
+    ``urls.url_problem`` finds wrong: in ``file://var/tmp/x`` "var" is a host and the path
+    /tmp/x, in ``file:///m#2`` the path is /m; neither is the directory the user named."""
+    if problem := url_problem(url):
+        raise StoreError(f"mirror URL {url}: {problem}")
+    if not url.startswith("file:"):
         return None
-    if parsed.netloc not in ("", "localhost"):
-        raise StoreError(f"{url} names the host {parsed.netloc!r}, not a path on this host; "
-                         f"write file:///{parsed.netloc}{parsed.path} (three slashes)")
-    return Path(parsed.path)
+    return Path(file_url_path(url))
 
 
 class FileSink:

@@ -169,6 +169,44 @@ def test_a_file_url_with_a_host_is_refused(mounted, tmp_path):
     assert not (tmp_path / "x").exists() and not Path("/", rest).exists()
 
 
+def test_what_a_user_may_mistype_for_replicate_is_one_line_and_leaves_nothing(mounted,
+                                                                            tmp_path):
+    """An outside review's cases: each was a traceback (a malformed URL, a token an HTTP
+    header cannot carry, --batch-size 0, which also left its snapshot), or a mirror made
+    where the user did not point (file:///m#2 made /m)."""
+    m = mounted
+    (tmp_path / "tok").write_text("t\u00f8ken" * 4)
+    (tmp_path / "tok").chmod(0o600)
+    (tmp_path / "empty").write_text("")
+    (tmp_path / "empty").chmod(0o600)
+    cases = [
+        (("--to", f"file://{tmp_path}/m", "--batch-size", "0"), 2, "must be more than 0"),
+        (("--to", "http://[::1"), 1, "mirror URL http://[::1: Invalid IPv6 URL"),
+        (("--to", "http://127.0.0.1:9", "--token-file", tmp_path / "tok"), 1,
+         "the mirror's token has a character a bearer token cannot carry"),
+        (("--to", "http://127.0.0.1:9", "--token-file", tmp_path / "empty"), 1,
+         "no token for the mirror (none given, or an empty token file)"),
+        (("--to", f"file://{tmp_path}/m#2"), 1, "no ?query or #fragment allowed"),
+        (("--to", f"file://{tmp_path}/m?x"), 1, "no ?query or #fragment allowed"),
+    ]
+    for args, code, says in cases:
+        err = one_line_error(cli("snapctl", "-m", m.mnt, "replicate", *args, check=False), code)
+        assert says in err, (args, err)
+    assert snapshots(m) == []
+    assert sorted(os.listdir(tmp_path)) == ["empty", "mnt0", "store0", "tok"]
+    cli("snapctl", "-m", m.mnt, "replicate", "--to", f"file://{tmp_path}/a%20b")
+    assert (tmp_path / "a b" / "data.mdb").exists()          # %20 is a space, as in any URL
+
+
+def test_serve_mirror_refuses_durations_that_would_break_every_cycle(tmp_path):
+    """--staging-expiry 0 was accepted, and every commit then found its chunks dropped."""
+    for option in ("--staging-expiry", "--body-timeout"):
+        res = cli("mountfs", "serve-mirror", tmp_path / "mirror", "--listen", "127.0.0.1:9",
+                  "--token-file", tmp_path / "tok", option, "0", check=False)
+        assert "must be more than 0" in one_line_error(res, 2)
+    assert not (tmp_path / "mirror").exists()
+
+
 
 def test_replicate_from_a_read_only_mount_is_refused_before_it_makes_a_mirror(store, tmp_path):
     """A read-only mount cannot record the mirror's base: the run had sent everything to a
