@@ -54,6 +54,7 @@ MAX_CONFIG_BYTES = 1 << 20
 DURATIONS = {"min_interval": "10s", "max_interval": "15m", "lag_warning": "5m",
              "lag_critical": "1h", "stall_timeout": "5m"}     # the defaults, as written
 NAME = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,99}$")
+HEADER = re.compile(r"^\s*\[\[?\s*([A-Za-z0-9_.\-]+)\s*\]\]?\s*(#.*)?$")    # [t], [[t]]
 
 
 class ConfigError(Exception):
@@ -147,14 +148,33 @@ class _Checker:
         self.lines = text.splitlines()
 
     def fail(self, where: str, key: str, msg: str):
-        raise ConfigError(f"{self.path}:{self._line(key)}: {where}{key}: {msg}")
+        raise ConfigError(f"{self.path}:{self._line(where, key)}: {where}{key}: {msg}")
 
-    def _line(self, key: str) -> int | str:
+    def _line(self, where: str, key: str) -> int | str:
+        """The line of ``key`` in the table ``where`` names (``filesystem[1].mirror[0].``:
+        the second [[filesystem]] and the first [[filesystem.mirror]] under it), else its
+        first line anywhere (tables written inline)."""
         pattern = re.compile(rf"^\s*{re.escape(key)}\s*=|[{{,]\s*{re.escape(key)}\s*=")
-        for n, line in enumerate(self.lines, 1):
-            if pattern.search(line):
-                return n
+        lo, hi = self._table(where) or (0, 0)
+        for n in [*range(lo, hi), *range(len(self.lines))]:
+            if pattern.search(self.lines[n]):
+                return n + 1
         return "?"
+
+    def _table(self, where: str) -> tuple[int, int] | None:
+        """The lines (start, end) of the table ``where`` names, up to the next header."""
+        headers = [(n, m.group(1)) for n, line in enumerate(self.lines)
+                   if (m := HEADER.match(line))]
+        lo, hi, path = 0, len(self.lines), ""
+        for name, index in re.findall(r"(\w+)(?:\[(\d+)\])?\.", where):
+            path = f"{path}.{name}" if path else name
+            mine = [n for n, header in headers if header == path and lo <= n < hi]
+            if int(index or 0) >= len(mine):
+                return None
+            lo = mine[int(index or 0)] + 1
+            hi = next((n for n, header in headers
+                       if n >= lo and not header.startswith(path + ".")), len(self.lines))
+        return lo, next((n for n, _ in headers if n >= lo), len(self.lines))
 
     def config(self, raw: dict) -> Config:
         self.only(raw, "", {"daemon", "filesystem"})

@@ -133,6 +133,19 @@ def test_paths_in_a_config_are_absolute(tmp_path, where, key, line):
     assert load(path).filesystems[0].name == "x"
 
 
+def test_a_refusal_names_the_line_of_the_table_it_is_in(tmp_path):
+    """The line was the first ``key =`` anywhere in the file, so a bad value in the second
+    [[filesystem]] or [[filesystem.mirror]] was pointed at a good one in the first."""
+    two = body('min_interval = "10s"') + '[[filesystem]]\nname = "y"\nmountpoint = "/n"\n' \
+        'min_interval = "10x"\n'
+    assert refusal(tmp_path, two).startswith("10: filesystem[1].min_interval: expected a "
+                                             "duration"), two
+    mirrors = body("retention = { daily = 7 }", 'url = "file:///a"') + \
+        '[[filesystem.mirror]]\nurl = "file:///b"\nretention = { daily = 0 }\n'
+    assert refusal(tmp_path, mirrors).startswith("11: filesystem[0].mirror[1].retention: "
+                                                 "daily must be a count"), mirrors
+
+
 def test_a_config_that_is_not_utf8_names_line_and_offset(tmp_path):
     text = body().encode().replace(b'"/m"', b'"/m\xff"')
     offset = text.index(b"\xff")
