@@ -46,7 +46,7 @@ from pathlib import Path
 
 from mountfs.snapnames import DAEMON_PREFIX
 from mountfs.units import Address, parse_duration, parse_listen, parse_size
-from replicator.urls import url_problem
+from mountfs.urls import url_problem
 
 from .retention import Policy, PolicyError, parse_policy
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from mountfs.store import Store, StoreError
+from mountfs.urls import file_url_path, url_problem
 
 from . import mirror
 from .changeset import Changeset
-from .urls import file_url_path, url_problem
 
 
 def open_mirror(url: str, chunk_size: int, token: str | None = None,
@@ -25,7 +25,7 @@ def open_mirror(url: str, chunk_size: int, token: str | None = None,
 
 def local_path(url: str) -> Path | None:
     """The path a ``file://`` URL names (None for http(s)), refusing in one line a URL that
-    ``urls.url_problem`` finds wrong: in ``file://var/tmp/x`` "var" is a host and the path
+    ``mountfs.urls.url_problem`` finds wrong: in ``file://var/tmp/x`` "var" is a host and the path
     /tmp/x, in ``file:///m#2`` the path is /m; neither is the directory the user named."""
     if problem := url_problem(url):
         raise StoreError(f"mirror URL {url}: {problem}")
