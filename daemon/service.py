@@ -135,7 +135,7 @@ class FilesystemLoop:
         try:
             result, mirror_uuid = await trio.to_thread.run_sync(
                 self._cycle, store, mirror, name)
-            await _request(store, {"op": "hold", "mirror": mirror_uuid, "name": name,
+            await _request(store, {"op": "hold", "mirror": mirror_uuid, "name": result.hold,
                                    "label": mirror.url})
         except Exception as e:              # noqa: BLE001 - this mirror's, whatever it is
             # One mirror's failure is that mirror's alone: its own backoff, while the other

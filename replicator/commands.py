@@ -157,7 +157,7 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
             finally:
                 if progress.last_phase == COMMITTING:
                     ours = None           # the mirror may hold it now: it must stay
-            snapctl.hold(where, mirror.info()["uuid"], result.snapshot, mirror_url)
+            snapctl.hold(where, mirror.info()["uuid"], result.hold, mirror_url)
         finally:
             progress.close()
             mirror.close()
