@@ -77,12 +77,14 @@ def _call(client: httpx.Client, method: str, path: str, body: bytes | None = Non
     return res
 
 
-def _json(raw: bytes):
-    """A JSON response from the mirror; anything else is the mirror's fault, said once."""
+def _json(raw: bytes, url: str):
+    """A JSON response from the mirror at ``url``; anything else is the mirror's fault,
+    said once."""
     try:
         return loads(raw)
     except (ValueError, UnicodeError):
-        raise MirrorError("the mirror sent a malformed response (not JSON)") from None
+        raise MirrorError(f"the mirror at {url} sent a malformed response (not JSON)") \
+            from None
 
 
 def _wrong(url: str, what: str, problem: str) -> MirrorError:
@@ -145,12 +147,12 @@ def checked_info(url: str, info) -> dict:
 
 
 @contextlib.contextmanager
-def _malformed(what: str):
+def _malformed(what: str, url: str):
     """A response that does not have the shape the call expects: one line, not a trace."""
     try:
         yield
     except (ValueError, TypeError, KeyError, AttributeError, IndexError):
-        raise MirrorError(f"the mirror sent a malformed {what} response") from None
+        raise MirrorError(f"the mirror at {url} sent a malformed {what} response") from None
 
 
 class HttpSink:
@@ -173,8 +175,9 @@ class HttpSink:
 
     def put(self, chunks) -> tuple[int, int]:
         with self._client() as client:
-            reply = _json(_call(client, "POST", "/v1/chunks", pack_frames(chunks)).content)
-        with _malformed("chunks"):
+            reply = _json(_call(client, "POST", "/v1/chunks", pack_frames(chunks)).content,
+                          self.url)
+        with _malformed("chunks", self.url):
             return int(reply["stored"]), int(reply["bytes"])
 
     def missing(self, digests: list[bytes]) -> list[bytes]:
@@ -208,7 +211,7 @@ class HttpMirror:
         return _call(self.client, method, path, body, self.limit)
 
     def info(self) -> dict:
-        info = checked_info(self.url, _json(self._call("GET", "/v1/info").content))
+        info = checked_info(self.url, _json(self._call("GET", "/v1/info").content, self.url))
         self.buckets = info["buckets"]
         return info
 
@@ -247,7 +250,7 @@ class HttpMirror:
     def export(self, snapshot: str, path: str) -> list[dict]:
         res = self._call("POST", "/v1/export",
                          compress_json({"snapshot": snapshot, "path": path}))
-        return _json(decompress(res.content, self.limit))
+        return _json(decompress(res.content, self.limit), self.url)
 
     def read_chunks(self, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
         res = self._call("POST", "/v1/read-chunks", compress(b"".join(digests)))
@@ -266,8 +269,8 @@ class HttpMirror:
     def bucket_items(self, snap_uuid: str | None, wanted: list[int]) -> dict:
         res = self._call("POST", "/v1/bucket-items",
                          compress_json({"snapshot": snap_uuid, "buckets": wanted}))
-        body = _json(decompress(res.content, self.limit))
-        with _malformed("bucket-items"):
+        body = _json(decompress(res.content, self.limit), self.url)
+        with _malformed("bucket-items", self.url):
             items = {int(b): {bytes.fromhex(i): bytes.fromhex(h) for i, h in its.items()}
                      for b, its in body.items()}
         if set(items) != set(wanted):
@@ -275,8 +278,8 @@ class HttpMirror:
         return items
 
     def scrub(self) -> dict[str, list[bytes]]:
-        found = _json(self._call("POST", "/v1/scrub").content)
-        with _malformed("scrub"):
+        found = _json(self._call("POST", "/v1/scrub").content, self.url)
+        with _malformed("scrub", self.url):
             return {k: [bytes.fromhex(d) for d in v] for k, v in found.items()}
 
     def replace_chunks(self, chunks) -> None:
