@@ -135,12 +135,22 @@ class FilesystemLoop:
         try:
             result, mirror_uuid = await trio.to_thread.run_sync(
                 self._cycle, store, mirror, name)
-            await _request(store, {"op": "hold", "mirror": mirror_uuid, "name": name,
+            await _request(store, {"op": "hold", "mirror": mirror_uuid, "name": result.hold,
                                    "label": mirror.url})
-        except (StoreError, transfer.TransferFailed, OSError) as e:
+        except Exception as e:              # noqa: BLE001 - this mirror's, whatever it is
+            # One mirror's failure is that mirror's alone: its own backoff, while the other
+            # mirrors, the local prune and the snapshots go on. An error we do not expect
+            # is a bug: its traceback goes to the log, its one line to last_error.
+            if isinstance(e, (StoreError, transfer.TransferFailed, OSError)):
+                message = str(e)
+            else:
+                log.error("%s -> %s: unexpected error (a bug)", self.fs.name, mirror.url,
+                          exc_info=True)
+                message = f"unexpected error: {type(e).__name__}: {e}"
+            message = " ".join(message.split()) or type(e).__name__
             ms.failures += 1
             ms.errors_total += 1
-            ms.last_error, ms.last_error_ns = str(e), time.time_ns()
+            ms.last_error, ms.last_error_ns = message, time.time_ns()
             ms.next_try_ns = time.time_ns() + int(backoff_delay(ms.failures) * 1e9)
             if isinstance(e, transfer.TransferStalled):
                 ms.stalled_total += 1
@@ -148,7 +158,7 @@ class FilesystemLoop:
                     self.metrics.stalled.labels(*labels).inc()
             if self.metrics:
                 self.metrics.errors.labels(*labels).inc()
-            log.warning("%s -> %s: %s (retry in %.0f s)", self.fs.name, mirror.url, e,
+            log.warning("%s -> %s: %s (retry in %.0f s)", self.fs.name, mirror.url, message,
                         (ms.next_try_ns - time.time_ns()) / 1e9)
             return
         ms.failures, ms.next_try_ns, ms.last_error = 0, None, None

@@ -10,6 +10,7 @@ import ssl
 
 import httpx
 
+from mountfs import schema as S
 from mountfs.store import StoreError
 
 from .changeset import Changeset
@@ -76,21 +77,82 @@ def _call(client: httpx.Client, method: str, path: str, body: bytes | None = Non
     return res
 
 
-def _json(raw: bytes):
-    """A JSON response from the mirror; anything else is the mirror's fault, said once."""
+def _json(raw: bytes, url: str):
+    """A JSON response from the mirror at ``url``; anything else is the mirror's fault,
+    said once."""
     try:
         return loads(raw)
     except (ValueError, UnicodeError):
-        raise MirrorError("the mirror sent a malformed response (not JSON)") from None
+        raise MirrorError(f"the mirror at {url} sent a malformed response (not JSON)") \
+            from None
+
+
+def _wrong(url: str, what: str, problem: str) -> MirrorError:
+    """An answer of the wrong shape from the mirror at ``url``: one line naming both."""
+    return MirrorError(f"the mirror at {url} sent a malformed {what} answer: {problem}")
+
+
+_INFO = {"format": (int,), "uuid": (str,), "mirror_of": (str, type(None)),
+         "chunk_size": (int,), "buckets": (int,), "empty": (bool,), "snapshots": (list,)}
+_SNAPSHOT = {"name": (str,), "uuid": (str,), "epoch": (int,), "created_ns": (int,),
+             "changed_since": (bool,)}
+_UUIDS = ("uuid", "mirror_of")            # a str there is 32 lowercase hex digits
+
+
+def _fields(value, fields: dict, where: str) -> str | None:
+    """What is wrong with the JSON object ``value`` against ``fields`` (key -> the types its
+    value may have), or None."""
+    if not isinstance(value, dict):
+        return f"{where.rstrip('.') or 'the answer'} is not an object"
+    for key, types in fields.items():
+        if key not in value:
+            return f"{where}{key} is missing"
+        v = value[key]
+        if type(v) not in types:          # exact: JSON true is no number, 1 no boolean
+            return f"{where}{key} is {_json_type(v)}, not {_json_type(types[0]())}"
+        if key in _UUIDS and isinstance(v, str) and not _is_uuid(v):
+            return f"{where}{key} is not a uuid (32 hex digits)"
+        if type(v) is int and v < 0:
+            return f"{where}{key} is negative"
+    return None
+
+
+def _json_type(v) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "a list", dict: "an object", type(None): "null"}.get(type(v), "?")
+
+
+def _is_uuid(v: str) -> bool:
+    return len(v) == 32 and all(c in "0123456789abcdef" for c in v)
+
+
+def checked_info(url: str, info) -> dict:
+    """The mirror's ``/v1/info`` with every key the source reads, of the type it reads."""
+    problem = _fields(info, _INFO, "")
+    if problem is None:
+        if info["format"] != S.FORMAT_VERSION:
+            raise MirrorError(f"the mirror at {url} keeps store format {info['format']}, "
+                              f"this source's is {S.FORMAT_VERSION}")
+        if not 0 < info["chunk_size"] or not 0 < info["buckets"]:
+            problem = "'chunk_size' and 'buckets' must be positive"
+        elif "rights" in info and info["rights"] not in ("admin", "replicate"):
+            problem = "'rights' is neither 'admin' nor 'replicate'"
+    for i, snap in enumerate(info["snapshots"] if problem is None else []):
+        problem = _fields(snap, _SNAPSHOT, f"snapshots[{i}].")
+        if problem is not None:
+            break
+    if problem is not None:
+        raise _wrong(url, "/v1/info", problem)
+    return info
 
 
 @contextlib.contextmanager
-def _malformed(what: str):
+def _malformed(what: str, url: str):
     """A response that does not have the shape the call expects: one line, not a trace."""
     try:
         yield
     except (ValueError, TypeError, KeyError, AttributeError, IndexError):
-        raise MirrorError(f"the mirror sent a malformed {what} response") from None
+        raise MirrorError(f"the mirror at {url} sent a malformed {what} response") from None
 
 
 class HttpSink:
@@ -113,15 +175,25 @@ class HttpSink:
 
     def put(self, chunks) -> tuple[int, int]:
         with self._client() as client:
-            reply = _json(_call(client, "POST", "/v1/chunks", pack_frames(chunks)).content)
-        with _malformed("chunks"):
+            reply = _json(_call(client, "POST", "/v1/chunks", pack_frames(chunks)).content,
+                          self.url)
+        with _malformed("chunks", self.url):
             return int(reply["stored"]), int(reply["bytes"])
 
     def missing(self, digests: list[bytes]) -> list[bytes]:
-        """Which of ``digests`` the mirror lacks (a retried task sends only those)."""
+        """Which of ``digests`` the mirror lacks (a retried task sends only those): each
+        one of those asked for, at most once."""
         with self._client() as client:
             raw = _call(client, "POST", "/v1/missing", compress(b"".join(digests))).content
-        return [raw[i:i + 32] for i in range(0, len(raw), 32)]
+        if len(raw) % 32 or len(raw) > 32 * len(digests):
+            raise _wrong(self.url, "/v1/missing", f"{len(raw)} bytes for {len(digests)} "
+                         f"digests asked (32 bytes each, at most one per digest asked)")
+        lacking = [raw[i:i + 32] for i in range(0, len(raw), 32)]
+        asked = set(digests)
+        if len(set(lacking)) != len(lacking) or not asked.issuperset(lacking):
+            raise _wrong(self.url, "/v1/missing", "a digest that was not asked for, or one "
+                         "twice")
+        return lacking
 
 
 class HttpMirror:
@@ -133,12 +205,15 @@ class HttpMirror:
         self.client = _client(self.url, token, ca_file)
         self.sink = HttpSink(self.url, token, ca_file)
         self.limit = max_response         # bytes of one response, raw and decompressed
+        self.buckets: int | None = None   # as its last /v1/info said
 
     def _call(self, method: str, path: str, body: bytes | None = None) -> httpx.Response:
         return _call(self.client, method, path, body, self.limit)
 
     def info(self) -> dict:
-        return _json(self._call("GET", "/v1/info").content)
+        info = checked_info(self.url, _json(self._call("GET", "/v1/info").content, self.url))
+        self.buckets = info["buckets"]
+        return info
 
     def missing(self, digests: list[bytes]) -> list[bytes]:
         return self.sink.missing(digests)
@@ -175,7 +250,7 @@ class HttpMirror:
     def export(self, snapshot: str, path: str) -> list[dict]:
         res = self._call("POST", "/v1/export",
                          compress_json({"snapshot": snapshot, "path": path}))
-        return _json(decompress(res.content, self.limit))
+        return _json(decompress(res.content, self.limit), self.url)
 
     def read_chunks(self, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
         res = self._call("POST", "/v1/read-chunks", compress(b"".join(digests)))
@@ -184,19 +259,27 @@ class HttpMirror:
     def bucket_hashes(self, snap_uuid: str | None, recompute: bool = False) -> list[bytes]:
         body = compress_json({"snapshot": snap_uuid, "recompute": recompute})
         raw = self._call("POST", "/v1/buckets", body).content
+        if self.buckets is None:
+            self.info()                   # how many buckets it keeps: what to expect
+        if len(raw) != 32 * self.buckets:
+            raise _wrong(self.url, "/v1/buckets", f"{len(raw)} bytes where its {self.buckets} "
+                         f"buckets take {32 * self.buckets}")
         return [raw[i:i + 32] for i in range(0, len(raw), 32)]
 
     def bucket_items(self, snap_uuid: str | None, wanted: list[int]) -> dict:
         res = self._call("POST", "/v1/bucket-items",
                          compress_json({"snapshot": snap_uuid, "buckets": wanted}))
-        body = _json(decompress(res.content, self.limit))
-        with _malformed("bucket-items"):
-            return {int(b): {bytes.fromhex(i): bytes.fromhex(h) for i, h in its.items()}
-                    for b, its in body.items()}
+        body = _json(decompress(res.content, self.limit), self.url)
+        with _malformed("bucket-items", self.url):
+            items = {int(b): {bytes.fromhex(i): bytes.fromhex(h) for i, h in its.items()}
+                     for b, its in body.items()}
+        if set(items) != set(wanted):
+            raise _wrong(self.url, "/v1/bucket-items", "not the buckets asked for")
+        return items
 
     def scrub(self) -> dict[str, list[bytes]]:
-        found = _json(self._call("POST", "/v1/scrub").content)
-        with _malformed("scrub"):
+        found = _json(self._call("POST", "/v1/scrub").content, self.url)
+        with _malformed("scrub", self.url):
             return {k: [bytes.fromhex(d) for d in v] for k, v in found.items()}
 
     def replace_chunks(self, chunks) -> None:

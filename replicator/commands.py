@@ -157,7 +157,7 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
             finally:
                 if progress.last_phase == COMMITTING:
                     ours = None           # the mirror may hold it now: it must stay
-            snapctl.hold(where, mirror.info()["uuid"], result.snapshot, mirror_url)
+            snapctl.hold(where, mirror.info()["uuid"], result.hold, mirror_url)
         finally:
             progress.close()
             mirror.close()
@@ -168,9 +168,9 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
         fail(_message(e))
     except Exception as e:                # a Spark failure: one line, not a traceback
         from replicator.transfer import TransferFailed
+        _drop(where, ours)                # whatever failed: the run leaves nothing behind
         if not isinstance(e, TransferFailed):
-            raise
-        _drop(where, ours)
+            raise                         # a bug: its traceback is what finds it
         fail(f"transfer failed: {e}")
     click.echo(json.dumps(result.to_json()) if as_json else result.summary())
 

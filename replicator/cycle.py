@@ -51,13 +51,20 @@ class CycleResult:
     seconds: float
     diff_seconds: float = 0.0      # of ``seconds``, finding the changes (not in the summary)
     executors: dict = field(default_factory=dict)   # per executor: tasks, bytes, bytes/s
+    already_on_mirror: bool = False  # the mirror held the snapshot: nothing was sent
+    # The source snapshot to hold as this mirror's base: the one sent, or, when the mirror
+    # held it already, the newest one the mirror shares with the source (never an older).
+    hold: str | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)
-        del out["diff_seconds"]
+        del out["diff_seconds"], out["hold"]
         return out
 
     def summary(self) -> str:
+        if self.already_on_mirror:
+            return (f"{self.snapshot} is already on the mirror: nothing sent, its base "
+                    f"stays {self.hold} ({self.seconds:.2f} s)")
         base = f"from {self.base}" if self.base else "full copy"
         return (f"replicated {self.snapshot} ({base}): {self.entries} names and "
                 f"{self.inodes} inodes changed, "
@@ -84,7 +91,8 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
     try:
         with source.read() as txn:
             snap = snaps.get(txn, source.db, snapshot)
-            older = [s for s in snaps.list_all(txn, source.db) if s.epoch < snap.epoch]
+            every = snaps.list_all(txn, source.db)
+            older = [s for s in every if s.epoch < snap.epoch]
         info = mirror.info()
         _check_compatible(source, info)
         overwrite = overwrites(info["mirror_of"], info["empty"])
@@ -95,8 +103,10 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
                               f"this token may only add snapshots: --force, which replaces "
                               f"those files, needs the admin token (--token-file)")
         held = {s["uuid"]: s for s in info["snapshots"]}
-        if snap.uuid.hex() in held:
-            return CycleResult(snap.name, None, 0, 0, 0, 0, 0, time.monotonic() - started)
+        if snap.uuid.hex() in held:       # sent before (a re-run): nothing to do, and the
+            newest = [s for s in every if s.uuid.hex() in held][-1]     # base stays newest
+            return CycleResult(snap.name, None, 0, 0, 0, 0, 0, time.monotonic() - started,
+                               already_on_mirror=True, hold=newest.name)
         base = next((s for s in reversed(older) if s.uuid.hex() in held), None)
         if base is not None and held[base.uuid.hex()]["changed_since"]:
             if not force:
@@ -143,7 +153,8 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
         return CycleResult(snap.name, base.name if base else None, sender.entries,
                            sender.inodes, sent.chunks, sent.bytes,
                            max(sender.wanted_bytes - sent.bytes, 0),
-                           time.monotonic() - started, diff_seconds, sent.executors)
+                           time.monotonic() - started, diff_seconds, sent.executors,
+                           hold=snap.name)
     finally:
         source.close()
 

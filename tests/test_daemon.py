@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -370,3 +371,48 @@ def test_a_name_of_the_daemons_form_is_refused(mounted):
 
 def snapshot_names(m) -> list[str]:
     return [json.loads(x)["name"] for x in m.snapctl("list", "--json").stdout.splitlines()]
+
+
+def test_an_unexpected_error_from_one_mirror_fails_that_mirror_alone(mounted, tmp_path,
+                                                                     monkeypatch, caplog):
+    """A mirror whose cycle fails with an error nobody expected (a bug) gets its own backoff
+    and a one-line last_error, with the traceback in the log; the mirror after it is still
+    replicated to and the step ends normally (snapshots keep their pace)."""
+    import trio
+
+    from daemon import config as config_mod, service
+
+    m = mounted
+    bad, good = tmp_path / "bad-mirror", tmp_path / "good-mirror"
+    config = tmp_path / "d.toml"
+    config.write_text(f"""
+[daemon]
+state_dir = "{tmp_path}/state"
+[[filesystem]]
+name = "data"
+mountpoint = "{m.mnt}"
+min_interval = "1s"
+[[filesystem.mirror]]
+url = "file://{bad}"
+[[filesystem.mirror]]
+url = "file://{good}"
+""")
+    real = service.replicate
+
+    def replicate(store, endpoint, name, **kw):
+        if str(bad) in endpoint.url:
+            raise KeyError("format")
+        return real(store, endpoint, name, **kw)
+    monkeypatch.setattr(service, "replicate", replicate)
+    (m.mnt / "a").write_text("a")
+    cfg = config_mod.load(config)
+    loop = service.FilesystemLoop(cfg.filesystems[0], cfg, None)
+    with caplog.at_level(logging.INFO, logger="mountfsd"):
+        trio.run(loop.step)                            # does not raise
+    bad_state = loop.state.mirror(f"file://{bad}")
+    assert bad_state.failures == 1 and bad_state.next_try_ns is not None
+    assert bad_state.last_error == "unexpected error: KeyError: 'format'"
+    assert "Traceback" in caplog.text and "KeyError" in caplog.text
+    good_state = loop.state.mirror(f"file://{good}")
+    assert good_state.failures == 0 and good_state.cycles_total == 1
+    assert mirror_is_current(m, config, f"file://{good}")

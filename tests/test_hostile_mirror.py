@@ -36,6 +36,8 @@ class HostileMirror(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.listing: list = []
         self.blobs: dict[bytes, bytes] = {}
+        self.info: object = None                  # /v1/info's JSON (None: a plausible one)
+        self.answers: dict[str, bytes] = {}       # any other path -> the bytes it answers
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
 
@@ -51,13 +53,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self):
+        if self.server.info is not None:
+            return self._reply(json.dumps(self.server.info).encode(), "application/json")
         self._reply(json.dumps({"format": 2, "uuid": "ab" * 16, "mirror_of": None,
                                 "chunk_size": CHUNK, "buckets": 1024, "empty": False,
                                 "snapshots": []}).encode(), "application/json")
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"] or 0))
-        if self.path == "/v1/export":
+        if self.path in self.server.answers:
+            self._reply(self.server.answers[self.path])
+        elif self.path == "/v1/export":
             self._reply(compress_json(self.server.listing))
         elif self.path == "/v1/read-chunks":
             raw = decompress(body)
@@ -243,3 +249,107 @@ def test_a_file_goes_into_a_directory_never_over_it(fs):
     assert res.stdout.startswith(f"restored ./log of s from {server.url} to ./whole/log: ")
     assert sorted(os.listdir(m.mnt / "whole")) == [f"e{i}" for i in range(9)] + ["log"]
     assert (m.mnt / "whole/log").read_bytes() == b"1\n"
+
+
+# ---- replicate and verify against a mirror whose answers have the wrong shape -------------
+
+def snapshots(m) -> list[dict]:
+    return [json.loads(line) for line in
+            m.snapctl("list", "--json").stdout.splitlines() if line.strip()]
+
+
+def plausible(**kw) -> dict:
+    return {"format": 2, "uuid": "cd" * 16, "mirror_of": None, "chunk_size": CHUNK,
+            "buckets": 1024, "empty": True, "snapshots": [], "rights": "admin", **kw}
+
+
+def against(fs, command: str, info, answers=None, *extra):
+    m, server, base = fs
+    server.info, server.answers = info, answers or {}
+    try:
+        option = "--to" if command == "replicate" else "--mirror"
+        return cli("snapctl", "-m", m.mnt, command, option, server.url, "--token-file",
+                   base / "token", *extra, check=False)
+    finally:
+        server.info, server.answers = None, {}
+
+
+BAD_INFO = [
+    {},
+    [],
+    plausible(snapshots=None),
+    plausible(format="2"),
+    plausible(chunk_size=True),
+    plausible(uuid="not a uuid"),
+    plausible(empty=1),
+    plausible(snapshots=[{"name": "s", "uuid": "ab" * 16}]),
+    plausible(snapshots=[{"name": "s", "uuid": "ab" * 16, "epoch": 1, "created_ns": 1,
+                          "changed_since": "no"}]),
+]
+
+
+@pytest.mark.parametrize("info", BAD_INFO, ids=range(len(BAD_INFO)))
+def test_replicate_refuses_a_malformed_info_in_one_line_and_leaves_nothing(fs, info):
+    m, server, _ = fs
+    before = snapshots(m)
+    res = against(fs, "replicate", info)
+    refused(res, server.url, "/v1/info")
+    assert snapshots(m) == before         # the repl- snapshot it took is gone again
+
+
+@pytest.mark.parametrize("info", BAD_INFO[:3], ids=range(3))
+def test_verify_refuses_a_malformed_info_in_one_line(fs, info):
+    res = against(fs, "verify", info)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
+    assert fs[1].url in res.stderr and "/v1/info" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("answer", [b"x" * 32, b"x" * 31, b"", b"y" * 64 * 1024])
+def test_replicate_refuses_missing_digests_it_did_not_ask_for(fs, answer):
+    m, server, _ = fs
+    (m.mnt / "payload").write_bytes(os.urandom(3000))
+    before = snapshots(m)
+    res = against(fs, "replicate", plausible(), {"/v1/missing": answer})
+    if answer == b"":                     # "nothing lacking" is a valid answer: the fake
+        assert "/v1/missing" not in res.stderr    # refuses the part that follows (404)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    else:
+        refused(res, server.url, "/v1/missing")
+    assert snapshots(m) == before
+
+
+@pytest.mark.parametrize("answer", [b"x" * 32, b"", b"x" * 32 * 1025])
+def test_verify_refuses_bucket_hashes_of_the_wrong_length(fs, answer):
+    m, server, _ = fs
+    m.snapctl("create", "verified")
+    try:
+        snap = next(s for s in snapshots(m) if s["name"] == "verified")
+        info = plausible(mirror_of=None, empty=False, snapshots=[
+            {"name": "verified", "uuid": snap["uuid"], "epoch": 1, "created_ns": 1,
+             "changed_since": False}])
+        res = against(fs, "verify", info, {"/v1/buckets": answer})
+        assert res.returncode == 2, (res.stdout, res.stderr)
+        assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
+        assert server.url in res.stderr and "/v1/buckets" in res.stderr, res.stderr
+    finally:
+        m.snapctl("delete", "verified")
+
+
+def test_a_replicate_that_fails_on_a_bug_still_removes_its_snapshot(fs, monkeypatch):
+    """Not only the errors it expects: whatever ends a run before the commit removes the
+    repl- snapshot it took (the bug's traceback still shows)."""
+    from click.testing import CliRunner
+
+    from cmdline.snapctl import main
+    from replicator import cycle
+
+    def broken(*args, **kw):
+        raise RuntimeError("a bug in the cycle")
+    monkeypatch.setattr(cycle, "replicate", broken)
+    m, server, base = fs
+    before = snapshots(m)
+    res = CliRunner().invoke(main, ["-m", str(m.mnt), "replicate", "--to", server.url,
+                                    "--token-file", str(base / "token")])
+    assert isinstance(res.exception, RuntimeError), res.output
+    assert snapshots(m) == before

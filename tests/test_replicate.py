@@ -400,7 +400,9 @@ def test_cli_replicate_json_summary(mounted, tmp_path):
     assert proc.returncode == 0, err
     summary = json.loads(out)
     assert set(summary) == {"snapshot", "base", "entries", "inodes", "chunks_sent",
-                            "bytes_sent", "bytes_skipped", "seconds", "executors"}
+                            "bytes_sent", "bytes_skipped", "seconds", "executors",
+                            "already_on_mirror"}
+    assert summary["already_on_mirror"] is False
     assert summary["snapshot"].startswith("repl-") and summary["base"] is None
     assert summary["executors"] == {}             # sent inline: no Spark executor
     assert summary["bytes_sent"] == 100_000
@@ -549,3 +551,30 @@ def test_the_replication_base_is_kept_from_deletion(mounted, tmp_path):
     assert proc.returncode == 0, err
     assert json.loads(out)["base"] is None          # converged by buckets, no common base
     assert_mirror_equals(m, mirror, "s3", tmp_path)
+
+
+def test_resending_a_snapshot_the_mirror_holds_leaves_its_base_alone(mounted, tmp_path):
+    """A re-run from the shell's history (an older snapshot the mirror already holds) sends
+    nothing and says so; the base stays the newest snapshot both hold: still protected
+    from deletion, and the next replicate goes on from it."""
+    m, mirror = mounted, tmp_path / "mirror"
+    for name in ("t1", "t2"):
+        (m.mnt / name).write_text(name)
+        m.snapctl("create", name)
+        assert snapctl_replicate(m, mirror, "--snapshot", name).wait(timeout=300) == 0
+    proc = snapctl_replicate(m, mirror, "--snapshot", "t1")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert out.startswith("t1 is already on the mirror: nothing sent, its base stays t2"), out
+    assert "full copy" not in out
+    proc = snapctl_replicate(m, mirror, "--snapshot", "t1", "--json")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["already_on_mirror"] is True
+    res = m.snapctl("delete", "t2", check=False)     # still the base: protected
+    assert res.returncode == 1 and "replication base" in res.stderr, res.stderr
+    (m.mnt / "t3").write_text("t3")
+    proc = snapctl_replicate(m, mirror, "--json")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["base"] == "t2"           # incremental from the real base
