@@ -399,3 +399,28 @@ def test_a_killed_force_restore_leaves_the_destination_and_a_named_leftover(fs):
     assert snapshot_of(m.mnt / "killed") == before
     assert leftovers(m, "killed") == [f".killed.mountfs-restore-{proc.pid}"]
     subprocess.run(["rm", "-rf", str(m.mnt / leftovers(m, "killed")[0])], check=True)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename-aside"])
+def test_the_swap_puts_the_new_tree_in_place_and_the_old_aside(tmp_path, monkeypatch,
+                                                               exchange):
+    """Where RENAME_EXCHANGE is refused, the old directory is renamed aside first; either
+    way the new tree ends under the name and the old one under a name that says so."""
+    from replicator import restore as r
+    if not exchange:
+        monkeypatch.setattr(r, "_renameat2", lambda fd, old, new, flags: False)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d/old").write_text("old")
+    tmp = r._side_name("d", "restore")
+    (tmp_path / tmp).mkdir()
+    (tmp_path / tmp / "new").write_text("new")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        old = r._swap(fd, tmp, "d", True)
+        assert old == f".d.mountfs-old-{os.getpid()}"
+        assert os.listdir(tmp_path / "d") == ["new"]
+        assert os.listdir(tmp_path / old) == ["old"]
+        assert r._discard(fd, old)
+        assert sorted(os.listdir(tmp_path)) == ["d"]
+    finally:
+        os.close(fd)
