@@ -11,6 +11,10 @@ relative to a directory descriptor this restore made itself, without following s
 blake3 digest and length match. Set-uid/set-gid files, file capabilities and device nodes
 are refused unless asked for (root), or left out with a warning (other users, who could not
 create them faithfully anyway).
+
+Nothing at the destination changes until the whole tree is there: it is built beside it
+under ``.NAME.mountfs-restore-PID`` (0700 until complete) and swapped in at the end
+(``_restore_at``); a failure or SIGHUP/SIGTERM/SIGINT before that removes the partial copy.
 """
 
 from __future__ import annotations
