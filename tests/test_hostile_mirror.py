@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -38,6 +42,9 @@ class HostileMirror(ThreadingHTTPServer):
         self.blobs: dict[bytes, bytes] = {}
         self.info: object = None                  # /v1/info's JSON (None: a plausible one)
         self.answers: dict[str, bytes] = {}       # any other path -> the bytes it answers
+        self.stall_on: bytes | None = None         # a digest whose request waits for release
+        self.release = threading.Event()
+        self.stalled = threading.Event()           # set once that request came
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
 
@@ -68,6 +75,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/v1/read-chunks":
             raw = decompress(body)
             wanted = [raw[i:i + 32] for i in range(0, len(raw), 32)]
+            if self.server.stall_on in wanted:
+                self.server.stalled.set()
+                self.server.release.wait(60)
             self._reply(pack_frames([(d, self.server.blobs.get(d, b"")) for d in wanted]))
         else:
             self.send_error(404)
@@ -353,3 +363,174 @@ def test_a_replicate_that_fails_on_a_bug_still_removes_its_snapshot(fs, monkeypa
                                     "--token-file", str(base / "token")])
     assert isinstance(res.exception, RuntimeError), res.output
     assert snapshots(m) == before
+
+
+# ---- --force replaces the destination only with a complete tree ------------------------------
+
+def old_tree(m, name: str) -> dict:
+    """A destination with work that no snapshot holds: what a failed restore must keep."""
+    top = m.mnt / name
+    (top / "sub").mkdir(parents=True)
+    for i in range(20):
+        (top / f"f{i}").write_text(f"old {i}\n")
+    (top / "sub/NEW-WORK.txt").write_text("precious work, never snapshotted\n")
+    os.chmod(top, 0o751)
+    return snapshot_of(top)
+
+
+def snapshot_of(p: Path) -> dict:
+    st = os.lstat(p)
+    return {".": (st.st_mode, st.st_mtime_ns), **tree(p)} if stat.S_ISDIR(st.st_mode) \
+        else {".": (st.st_mode, p.read_bytes())}
+
+
+def leftovers(m, name: str) -> list[str]:
+    return [n for n in os.listdir(m.mnt) if n.startswith(f".{name}.mountfs-")]
+
+
+def new_listing(salt: str, bad: str | None = None) -> list:
+    """A tree of 30 files (data the source store does not hold yet, as ``salt`` differs);
+    ``bad``: the mirror sends wrong data for that one."""
+    items = [d("."), d("./sub", 0o750)]
+    for i in range(30):
+        data = f"new {i} {salt}\n".encode() * 100
+        items.append(f(f"./n{i}", data, sent=b"evil" * 200 if f"./n{i}" == bad else None))
+    return items
+
+
+def test_a_failed_force_restore_leaves_the_directory_as_it_was(fs):
+    """The mirror sends a bad chunk for the 25th file: the restore stops, and the old
+    directory (with work no snapshot holds) is all there, mode and all; no partial tree is
+    left under its name or beside it. A good --force restore then replaces it."""
+    m = fs[0]
+    before = old_tree(m, "keepdir")
+    serve(fs, *new_listing("keepdir", bad="./n24"))
+    res = restore(fs, "keepdir", "--force")
+    assert snapshot_of(m.mnt / "keepdir") == before
+    assert leftovers(m, "keepdir") == []
+    refused(res, "wrong data for a chunk of ./n24", "'keepdir' was left as it was")
+    serve(fs, *new_listing("keepdir"))
+    res = restore(fs, "keepdir", "--force")
+    assert res.returncode == 0, res.stderr
+    assert sorted(os.listdir(m.mnt / "keepdir")) == sorted(["sub"] + [f"n{i}" for i in range(30)])
+    assert (m.mnt / "keepdir/n29").read_bytes() == b"new 29 keepdir\n" * 100
+    assert stat.S_IMODE(os.stat(m.mnt / "keepdir").st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(m.mnt / "keepdir/sub").st_mode) == 0o750
+    assert leftovers(m, "keepdir") == []
+
+
+def test_a_failed_force_restore_of_a_big_file_keeps_the_old_file(fs):
+    """Chunk 3 of 4 is bad: the old file keeps every byte (no prefix of the new one)."""
+    m = fs[0]
+    (m.mnt / "big").write_bytes(b"my only copy\n")
+    chunks = [os.urandom(CHUNK) for _ in range(4)]
+    digests = [blake3.blake3(c).digest() for c in chunks]
+    entry = {**d("."), "mode": stat.S_IFREG | 0o644, "size": 4 * CHUNK,
+             "chunks": [[i, digests[i].hex(), CHUNK] for i in range(4)]}
+    _, server, _ = fs
+    server.listing = [entry]
+    server.blobs = {dg: (b"x" * CHUNK if i == 2 else c)
+                    for i, (dg, c) in enumerate(zip(digests, chunks))}
+    res = restore(fs, "big", "--force")
+    assert (m.mnt / "big").read_bytes() == b"my only copy\n"
+    assert leftovers(m, "big") == []
+    refused(res, "wrong data for a chunk of .", "'big' was left as it was")
+    server.blobs = dict(zip(digests, chunks))
+    res = restore(fs, "big", "--force")
+    assert res.returncode == 0, res.stderr
+    assert (m.mnt / "big").read_bytes() == b"".join(chunks)
+    assert leftovers(m, "big") == []
+
+
+def test_a_failed_restore_to_a_new_name_leaves_nothing_there(fs):
+    m = fs[0]
+    serve(fs, *new_listing("fresh", bad="./n24"))
+    res = restore(fs, "fresh")
+    assert not os.path.lexists(m.mnt / "fresh")
+    assert leftovers(m, "fresh") == []
+    refused(res, "'fresh' was left as it was")
+
+
+def start_stalled_restore(fs, name: str) -> subprocess.Popen:
+    """A --force restore of ``name`` that waits on the mirror for ./n24's chunk, with
+    ./n0 .. ./n23 already written."""
+    m, server, base = fs
+    items = new_listing(name)
+    serve(fs, *items)
+    server.stall_on = bytes.fromhex(items[2 + 24][0]["chunks"][0][1])
+    server.release.clear()
+    server.stalled.clear()
+    proc = subprocess.Popen([sys.executable, "-m", "cmdline.snapctl", "-m", str(m.mnt),
+                             "restore", "--from", server.url, "--token-file",
+                             str(base / "token"), "s", "--to", name, "--force"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not server.stalled.wait(0.05):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the restore never got to ./n24: {proc.communicate()}")
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT],
+                         ids=lambda s: s.name)
+def test_an_interrupted_force_restore_leaves_the_directory_as_it_was(fs, sig):
+    """A dropped ssh session (SIGHUP), a kill or Ctrl-C in the middle of a restore: the
+    partial copy is removed and the destination is as it was."""
+    m, server, _ = fs
+    name = f"sig-{sig.name}"
+    before = old_tree(m, name)
+    try:
+        proc = start_stalled_restore(fs, name)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        server.release.set()
+        server.stall_on = None
+    assert snapshot_of(m.mnt / name) == before
+    assert leftovers(m, name) == []
+    assert proc.returncode == 1, (out, err)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"interrupted by {sig.name}; '{name}' was left as it was" in err, err
+
+
+def test_a_killed_force_restore_leaves_the_destination_and_a_named_leftover(fs):
+    """SIGKILL cannot be caught: the destination is still as it was, and what the restore
+    had written lies beside it under a name that says what it is."""
+    m, server, _ = fs
+    before = old_tree(m, "killed")
+    try:
+        proc = start_stalled_restore(fs, "killed")
+        proc.kill()
+        proc.communicate(timeout=60)
+    finally:
+        server.release.set()
+        server.stall_on = None
+    assert snapshot_of(m.mnt / "killed") == before
+    assert leftovers(m, "killed") == [f".killed.mountfs-restore-{proc.pid}"]
+    subprocess.run(["rm", "-rf", str(m.mnt / leftovers(m, "killed")[0])], check=True)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename-aside"])
+def test_the_swap_puts_the_new_tree_in_place_and_the_old_aside(tmp_path, monkeypatch,
+                                                               exchange):
+    """Where RENAME_EXCHANGE is refused, the old directory is renamed aside first; either
+    way the new tree ends under the name and the old one under a name that says so."""
+    from replicator import restore as r
+    if not exchange:
+        monkeypatch.setattr(r, "_renameat2", lambda fd, old, new, flags: False)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d/old").write_text("old")
+    tmp = r._side_name("d", "restore")
+    (tmp_path / tmp).mkdir()
+    (tmp_path / tmp / "new").write_text("new")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        old = r._swap(fd, tmp, "d", True)
+        assert old == f".d.mountfs-old-{os.getpid()}"
+        assert os.listdir(tmp_path / "d") == ["new"]
+        assert os.listdir(tmp_path / old) == ["old"]
+        assert r._discard(fd, old)
+        assert sorted(os.listdir(tmp_path)) == ["d"]
+    finally:
+        os.close(fd)
