@@ -676,28 +676,12 @@ class Operations(pyfuse3.Operations):
             try:
                 await self.engine.files.release(h.of)
             finally:
-                if h.of.dropped:
-                    await self._forget_dropped(h.ino)
+                if h.of.dropped:    # writes a full disk refused: the kernel still holds
+                    # the size their replies gave and the pages read from the buffer (kept
+                    # across opens): stat and read must show the committed file instead
+                    await self._drop_kernel_caches([h.ino])
                 if h.ino not in self.lookups:
                     await self.reap([h.ino])
-
-    async def _forget_dropped(self, ino: int) -> None:
-        """The last close of ``ino`` dropped writes the store could not take (a full disk):
-        the kernel still holds the size their replies and our GETATTRs gave it (for the
-        attribute timeout, minutes) and the pages read from the buffer (kept across opens,
-        ``_open_live``), so stat would say one size and a read return another, or data
-        that is nowhere. Make it forget both: every later stat and read then sees the
-        committed file. In a worker thread, as ``invalidate``: dropping pages waits for
-        the lock of a page a READ of ours may still have to answer."""
-        if ino not in self.lookups:
-            return                          # the kernel no longer holds the inode
-
-        def drop_caches():
-            try:
-                pyfuse3.invalidate_inode(ino, attr_only=False)
-            except OSError:
-                pass
-        await trio.to_thread.run_sync(drop_caches)
 
     @contextlib.contextmanager
     def _releasing(self, ino: int):
@@ -881,15 +865,22 @@ class Operations(pyfuse3.Operations):
         for parent, name in entries:
             if parent in self.lookups or parent == S.ROOT_INO:
                 pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+        await self._drop_kernel_caches(inodes)
+
+    async def _drop_kernel_caches(self, inodes) -> None:
+        """Have the kernel forget the attributes and pages of those of ``inodes`` it holds.
+        In a worker thread: dropping pages waits for the lock of a page a READ of ours may
+        still have to answer."""
         known = [ino for ino in inodes if ino in self.lookups]
 
         def drop_caches():
             for ino in known:
                 try:
                     pyfuse3.invalidate_inode(ino, attr_only=False)
-                except OSError:
+                except OSError:             # the kernel forgot it meanwhile
                     pass
-        await trio.to_thread.run_sync(drop_caches)
+        if known:
+            await trio.to_thread.run_sync(drop_caches)
 
     def open_in_snapshot(self, snap: S.Snapshot) -> int:
         """How many files and directories of snapshot ``snap`` are open (a backup reading
