@@ -13,6 +13,7 @@ import httpx
 from mountfs import schema as S
 from mountfs.store import StoreError
 
+from .calltime import Transport, call_deadline
 from .changeset import Changeset
 from .mirror import MirrorError, SnapshotRef
 from .server import (MAX_BODY, compress, compress_json, decompress, loads, pack_frames,
@@ -38,13 +39,13 @@ def _client(url: str, token: str | None, ca_file: str | None) -> httpx.Client:
                          "typographic quote): fix its token file or MOUNTFS_TOKEN")
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}",
                                                "Accept-Encoding": "identity"},
-                        timeout=TIMEOUT, verify=_tls_context(ca_file))
+                        timeout=TIMEOUT, transport=Transport(_tls_context(ca_file)))
 
 
-def _tls_context(ca_file: str | None) -> ssl.SSLContext | bool:
-    """The system's trust store, or only ``ca_file`` (a self-signed receiver's cert)."""
+def _tls_context(ca_file: str | None) -> ssl.SSLContext:
+    """httpx's default trust store, or only ``ca_file`` (a self-signed receiver's cert)."""
     if ca_file is None:
-        return True
+        return httpx.create_ssl_context()
     try:
         return ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as e:
@@ -53,19 +54,25 @@ def _tls_context(ca_file: str | None) -> ssl.SSLContext | bool:
 
 def _call(client: httpx.Client, method: str, path: str, body: bytes | None = None,
           limit: int = MAX_BODY, timeout: httpx.Timeout | None = None):
-    """One request; the response is held only up to ``limit`` bytes."""
-    try:
-        with client.stream(method, path, content=body,
-                           timeout=timeout or client.timeout) as streamed:
-            data = bytearray()
-            for piece in streamed.iter_raw():
-                data += piece
-                if len(data) > limit:
-                    raise MirrorError(f"the mirror at {client.base_url} sent a response over "
-                                      f"{limit} bytes; refused")
-            res = httpx.Response(streamed.status_code, content=bytes(data))
-    except httpx.HTTPError as e:
-        raise MirrorError(f"cannot reach the mirror at {client.base_url}: {e}") from None
+    """One request; the response is held only up to ``limit`` bytes. The whole call has
+    the timeout's read time, plus a second per ``calltime.MIN_RATE`` bytes moved: a
+    mirror that answers a byte at a time does not hold it (or a daemon's cycle) for ever."""
+    timeout = timeout or client.timeout
+    with call_deadline(timeout.read) as deadline:
+        try:
+            with client.stream(method, path, content=body, timeout=timeout) as streamed:
+                data = bytearray()
+                for piece in streamed.iter_raw():
+                    data += piece
+                    if len(data) > limit:
+                        raise MirrorError(f"the mirror at {client.base_url} sent a response "
+                                          f"over {limit} bytes; refused")
+                res = httpx.Response(streamed.status_code, content=bytes(data))
+        except httpx.HTTPError as e:
+            if deadline.why is not None:
+                raise MirrorError(f"the mirror at {client.base_url}: {deadline.why}") \
+                    from None
+            raise MirrorError(f"cannot reach the mirror at {client.base_url}: {e}") from None
     if res.status_code == 401:
         raise MirrorError(f"the mirror at {client.base_url} refused the token (401)")
     if res.status_code >= 400:
