@@ -182,16 +182,34 @@ class _Checker:
         self.only(d, "daemon.", {"state_dir", "metrics_listen", "spark_master"})
         cfg = Config(str(self.path), state_dir=self.state_dir(d),
                      metrics_listen=self.listen(d, "daemon.", "metrics_listen"),
-                     spark_master=self.string(d, "daemon.", "spark_master", None))
+                     spark_master=self.spark_master(d))
         filesystems = raw.get("filesystem", [])
+        if isinstance(filesystems, dict):
+            raise ConfigError(f"{self.path}:{self._header('filesystem')}: write "
+                              f"[[filesystem]] (one table per filesystem), not [filesystem]")
         if not isinstance(filesystems, list) or not filesystems:
             raise ConfigError(f"{self.path}: no [[filesystem]] configured")
         cfg.filesystems = [self.filesystem(fs, f"filesystem[{i}].")
                            for i, fs in enumerate(filesystems)]
-        names = [fs.name for fs in cfg.filesystems]
-        if len(set(names)) != len(names):
-            self.fail("filesystem.", "name", "names must be unique")
+        self.unique(cfg.filesystems, "filesystem", "name", lambda fs: fs.name)
+        self.unique(cfg.filesystems, "filesystem", "mountpoint",
+                    lambda fs: os.path.normpath(fs.mountpoint))
         return cfg
+
+    def unique(self, items: list, table: str, key: str, value) -> None:
+        """Refuse a second table of ``items`` whose ``key`` repeats an earlier one's: two
+        loops would snapshot (or replicate) the same thing, racing each other."""
+        seen: dict = {}
+        for i, item in enumerate(items):
+            first = seen.setdefault(value(item), i)
+            if first != i:
+                self.fail(f"{table}[{i}].", key, f"the same as {table}[{first}]'s; "
+                                                 f"each must be listed once")
+
+    def _header(self, name: str) -> int | str:
+        """The line of table header [name] (or [[name]])."""
+        return next((n + 1 for n, line in enumerate(self.lines)
+                     if (m := HEADER.match(line)) and m.group(1) == name), "?")
 
     def filesystem(self, raw: dict, where: str) -> FilesystemConfig:
         self.only(raw, where, {"name", "mountpoint", "min_interval", "max_interval",
@@ -212,6 +230,7 @@ class _Checker:
         if not isinstance(mirrors, list):
             self.fail(where, "mirror", "use [[filesystem.mirror]] tables")
         fs.mirrors = [self.mirror(m, f"{where}mirror[{i}].") for i, m in enumerate(mirrors)]
+        self.unique(fs.mirrors, f"{where}mirror", "url", lambda m: m.url.rstrip("/"))
         return fs
 
     def mirror(self, raw: dict, where: str) -> MirrorConfig:
@@ -292,6 +311,15 @@ class _Checker:
         if not os.path.isdir(existing):
             self.fail("daemon.", "state_dir", f"{existing} is not a directory")
         return path
+
+    def spark_master(self, raw) -> str | None:
+        """Checked as ``--spark-master`` is (imported here: ``snapctl status`` reads this
+        config without the replicator)."""
+        from replicator.masters import master_problem
+        master = self.string(raw, "daemon.", "spark_master", None)
+        if master is not None and (problem := master_problem(master)):
+            self.fail("daemon.", "spark_master", problem)
+        return master
 
     def listen(self, raw, where, key) -> Address | None:
         if key not in raw:

@@ -67,7 +67,8 @@ def _call(client: httpx.Client, method: str, path: str, body: bytes | None = Non
                     if len(data) > limit:
                         raise MirrorError(f"the mirror at {client.base_url} sent a response "
                                           f"over {limit} bytes; refused")
-                res = httpx.Response(streamed.status_code, content=bytes(data))
+                res = httpx.Response(streamed.status_code, headers=streamed.headers,
+                                     content=bytes(data))
         except httpx.HTTPError as e:
             if deadline.why is not None:
                 raise MirrorError(f"the mirror at {client.base_url}: {deadline.why}") \
@@ -75,13 +76,24 @@ def _call(client: httpx.Client, method: str, path: str, body: bytes | None = Non
             raise MirrorError(f"cannot reach the mirror at {client.base_url}: {e}") from None
     if res.status_code == 401:
         raise MirrorError(f"the mirror at {client.base_url} refused the token (401)")
-    if res.status_code >= 400:
-        try:
-            msg = str(res.json()["error"])
-        except (ValueError, KeyError, TypeError, RecursionError):
-            msg = res.text
-        raise MirrorError(f"mirror: {' '.join(msg.split())[:300]}")
+    if not 200 <= res.status_code < 300:
+        raise _refusal(client.base_url, path, res)
     return res
+
+
+def _refusal(url, path: str, res: httpx.Response) -> MirrorError:
+    """A receiver refuses with its reason as JSON ``error``; any other answer that is not a
+    success comes from something else at that URL (a proxy, another server, a redirect)."""
+    try:
+        return MirrorError(f"mirror: {' '.join(str(res.json()['error']).split())[:300]}")
+    except (ValueError, KeyError, TypeError, RecursionError):
+        pass
+    where = res.headers.get("location")
+    said = f"a redirect to {where[:200]!r}" if where else \
+        repr(" ".join(res.text.split())[:100])
+    return MirrorError(f"the mirror at {url} answered HTTP {res.status_code} to {path} "
+                       f"({said}), which a 'mountfs serve-mirror' receiver never does: "
+                       f"check the URL (and any proxy in front of it)")
 
 
 def _json(raw: bytes, url: str):

@@ -89,6 +89,14 @@ def open_checked_mirror(where: snapctl.Target, url: str, token_file, ca_file,
     return mirror
 
 
+def _spark_master(value: str | None) -> str | None:
+    """``--spark-master`` (or MOUNTFS_SPARK_MASTER), refused before anything is done."""
+    from .masters import master_problem
+    if value is not None and (problem := master_problem(value)):
+        raise click.BadParameter(problem, param_hint="'--spark-master' / MOUNTFS_SPARK_MASTER")
+    return value
+
+
 def _new_snapshot_name() -> str:
     """``repl-`` and the UTC time to the microsecond."""
     from mountfs.snapnames import stamped_name
@@ -120,6 +128,7 @@ def _take_snapshot(where) -> str:
               "MIRROR_URL is a store with files of its own (not a mirror, not fresh from "
               "mkfs), replace its live tree and make it a mirror (http(s): admin token).")
 @click.option("--spark-master", metavar="URL", envvar="MOUNTFS_SPARK_MASTER",
+              callback=lambda ctx, param, value: _spark_master(value),
               help="Spark master (spark://, yarn, k8s://); default: embedded local[*].")
 @click.option("--token-file", type=click.Path(dir_okay=False), help=TOKEN_HELP)
 @click.option("--ca-file", type=click.Path(dir_okay=False), help=CA_HELP)

@@ -221,3 +221,33 @@ def test_one_filesystems_failure_never_ends_the_daemon(tmp_path, caplog):
         trio.run(run_a_while)
     failed = [m for m in caplog.messages if m.startswith("x: FileExistsError: ")]
     assert failed and all("(retry in " in m for m in failed), caplog.messages
+
+
+@pytest.mark.parametrize("text, message", [
+    (body(daemon='spark_master = "nonsense"'),
+     "2: daemon.spark_master: not a Spark master: 'nonsense'; expected local"),
+    (body(daemon='spark_master = "spark://master"'),
+     "2: daemon.spark_master: not a Spark master"),
+    (body(mirror='url = "file:///srv/m"') + '[[filesystem.mirror]]\nurl = "file:///srv/m/"\n',
+     "10: filesystem[0].mirror[1].url: the same as filesystem[0].mirror[0]'s"),
+    (body() + '[[filesystem]]\nname = "y"\nmountpoint = "/m/"\n',
+     "9: filesystem[1].mountpoint: the same as filesystem[0]'s"),
+    (body() + '[[filesystem]]\nname = "x"\nmountpoint = "/n"\n',
+     "8: filesystem[1].name: the same as filesystem[0]'s"),
+    ('[daemon]\n[filesystem]\nname = "x"\nmountpoint = "/m"\n',
+     "2: write [[filesystem]] (one table per filesystem), not [filesystem]"),
+])
+def test_what_would_fail_every_cycle_is_refused_at_load(tmp_path, text, message):
+    """A Spark master that cannot start, a mirror listed twice (two cycles racing to one
+    mirror), two loops on one mountpoint, and a single [filesystem] table (which was called
+    "no [[filesystem]] configured"): refused at load, naming the line."""
+    got = refusal(tmp_path, text)
+    assert got.startswith(message), got
+
+
+@pytest.mark.parametrize("master", ["local", "local[*]", "local[2]", "spark://h:7077",
+                                    "spark://a:7077,b:7077", "yarn", "k8s://https://k:6443"])
+def test_spark_masters_spark_takes_pass(tmp_path, master):
+    path = tmp_path / "c.toml"
+    path.write_text(body(daemon=f'spark_master = "{master}"'))
+    assert load(path).spark_master == master

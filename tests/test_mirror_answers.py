@@ -1,4 +1,5 @@
-"""A mirror that answers too slowly on purpose loses the call (replicator/calltime.py).
+"""A mirror that answers too slowly on purpose loses the call (replicator/calltime.py), and
+an answer no receiver gives is named for what it is (replicator/client.py).
 
 Real sockets on loopback: a server thread that sends a *complete, valid* /v1/info answer one
 byte at a time (in its headers or its body), so a client bounded only by a read timeout per
@@ -125,3 +126,23 @@ def test_abort_calls_ends_a_call_the_mirror_never_answers():
     assert not caller.is_alive(), "abort_calls did not end the call"
     assert len(failed) == 1 and isinstance(failed[0], MirrorError), failed
     assert "aborted" in str(failed[0])
+
+
+@pytest.mark.parametrize("status, headers, body, said", [
+    (302, "Location: https://login.example/sso\r\n", b"", "a redirect to "
+     "'https://login.example/sso'"),
+    (404, "Content-Type: text/html\r\n", b"<h1>Not Found</h1>", "'<h1>Not Found</h1>'"),
+    (502, "", b"Bad Gateway", "'Bad Gateway'"),
+])
+def test_an_answer_no_receiver_gives_says_check_the_url(status, headers, body, said):
+    """A redirect was called "a malformed response (not JSON)", a proxy's 404 page
+    "mirror: <h1>Not Found</h1>": neither says that something else answers at that URL."""
+    def answer(conn, until):
+        conn.sendall(b"HTTP/1.1 %d X\r\n%sContent-Length: %d\r\n\r\n%s"
+                     % (status, headers.encode(), len(body), body))
+    server = SlowServer(answer)
+    with pytest.raises(MirrorError) as e:
+        mirror(server.url, 10.0).info()
+    assert str(e.value) == (f"the mirror at {server.url} answered HTTP {status} to /v1/info "
+                            f"({said}), which a 'mountfs serve-mirror' receiver never does: "
+                            f"check the URL (and any proxy in front of it)")
