@@ -273,9 +273,10 @@ def commit_staged(store: Store, source_uuid: bytes, base_uuid: str | None,
     dbs, batch, steps = store.db, commit_batch_records(), _Apply(store.chunk_size)
     with store.write() as txn:
         snaps.undo_interrupted(txn, dbs, store.chunk_size)
-        parts = staged_parts(txn, dbs, transfer, digests)
+        # the base first: a commit that another run's beat also finds its parts dropped
         base = _check_commit(txn, dbs, store.chunk_size, source_uuid, base_uuid, snapshot,
                              reconcile, force)
+        parts = staged_parts(txn, dbs, transfer, digests)
         live = Live(txn, dbs, snaps.live_epoch(txn, dbs), store.chunk_size)
         held = _checked(live, parts, steps, batch)
         if held is not None:
@@ -383,6 +384,11 @@ def _check_base(txn, dbs, chunk_size: int, live_epoch: int, source_uuid: bytes,
         raise MirrorError(f"the mirror no longer has the base snapshot ({base_uuid})")
     root = View(txn, dbs, live_epoch, chunk_size).get(S.ROOT_INO)
     if _changed_since(txn, dbs, root, base):
+        newest = snaps.list_all(txn, dbs)[-1]
+        if newest.epoch > base.epoch and not _changed_since(txn, dbs, root, newest):
+            raise MirrorError(f"the mirror received snapshot {newest.name!r} after this run "
+                              f"chose its base {base.name!r} (another replicate committed "
+                              f"first); re-run to send from it")
         raise MirrorError(f"the mirror has changed since its copy of base snapshot "
                           f"{base.name!r}; pass --force to roll it back to the base")
     return base

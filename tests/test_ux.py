@@ -104,6 +104,36 @@ def test_a_run_that_fails_after_its_snapshot_removes_it(mounted, tmp_path):
     assert snapshots(m) == [base]                    # the refused run's snapshot is gone
 
 
+def test_a_replicate_another_one_beat_to_the_mirror_says_so(mounted, tmp_path):
+    """Two runs chose the same base; the first committed. The second's commit was told its
+    parts were "expired or never sent" (the winner's commit had dropped them), or, had it
+    got that far, to roll the mirror back with --force, which would undo the winner's
+    snapshot. The loser is played here by a commit against the old base, as it reaches the
+    mirror."""
+    from mountfs.store import Store
+    from replicator import mirror as mirror_mod
+    m, mirror = mounted, tmp_path / "mirror"
+    (m.mnt / "f").write_text("1")
+    first = json.loads(replicate(m, f"file://{mirror}", "--json").stdout)["snapshot"]
+    (m.mnt / "f").write_text("2")
+    winner = json.loads(replicate(m, f"file://{mirror}", "--json").stdout)["snapshot"]
+    store = Store.open(mirror)
+    try:
+        info = mirror_mod.info(store)
+        base = next(s["uuid"] for s in info["snapshots"] if s["name"] == first)
+        with pytest.raises(mirror_mod.MirrorError) as e:
+            mirror_mod.commit_staged(store, bytes.fromhex(info["mirror_of"]), base,
+                                     mirror_mod.SnapshotRef("loser", "33" * 16, 1),
+                                     os.urandom(16), [b"\0" * 32])
+    finally:
+        store.close()
+    assert str(e.value) == (f"the mirror received snapshot {winner!r} after this run chose "
+                            f"its base {first!r} (another replicate committed first); re-run "
+                            f"to send from it")
+    (m.mnt / "f").write_text("3")
+    assert replicate(m, f"file://{mirror}").returncode == 0      # which works
+
+
 def test_replicates_started_together_take_distinct_snapshots(mounted, tmp_path):
     m = mounted
     (m.mnt / "f").write_text("x")
