@@ -64,14 +64,17 @@ def mount(ctx, store, mountpoint, foreground, allow_other, read_only, verbose, r
     """Mount STORE at MOUNTPOINT. Returns once the mount is ready."""
     from .mount import mount_background, run_foreground
     verbose = verbose or ctx.obj["verbose"]
+    hidden = _hidden_note(mountpoint) if ready_fd is None else ""
     if not foreground:
         try:
             pid = mount_background(store, mountpoint, allow_other, read_only, verbose)
         except StoreError as e:
             fail(str(e))
         click.echo(f"mounted {os.path.abspath(store)} at {os.path.abspath(mountpoint)} "
-                   f"(pid {pid})")
+                   f"(pid {pid}){hidden}")
         return
+    if hidden:
+        click.echo(f"mountfs mount: note: {hidden.removeprefix('; ')}", err=True)
     setup_logging(verbose)
 
     def ready(err):
@@ -85,6 +88,21 @@ def mount(ctx, store, mountpoint, foreground, allow_other, read_only, verbose, r
         if ready_fd is not None:
             ready(str(e))
         fail(str(e))
+
+
+def _hidden_note(mountpoint: str) -> str:
+    """What mounting over a directory that has files hides (as mount(8) does, silently:
+    a user who mounts over their data must not believe it gone), or ""."""
+    try:
+        with os.scandir(mountpoint) as entries:
+            count = sum(1 for _ in entries)
+    except OSError:
+        return ""           # the mount itself says what is wrong with it
+    if not count:
+        return ""
+    what = "1 entry already in {} is" if count == 1 else f"{count} entries already in {{}} are"
+    return (f"; {what.format(os.path.abspath(mountpoint))} hidden (not deleted) until "
+            f"'mountfs umount {mountpoint}'")
 
 
 @main.command()

@@ -88,6 +88,23 @@ def test_umount_returns_once_the_store_is_released(make_mount):
 
 
 
+def test_mounting_over_files_says_they_are_hidden_not_gone(make_mount):
+    """mount(8) hides a directory's files without a word; a user who mounts over their
+    data must not believe it lost. The files are there again after umount."""
+    m = make_mount()
+    m.umount()
+    (m.mnt / "notes.txt").write_text("mine")
+    res = cli("mountfs", "mount", m.store, m.mnt)
+    assert res.stdout.strip().endswith(
+        f"; 1 entry already in {m.mnt} is hidden (not deleted) until "
+        f"'mountfs umount {m.mnt}'"), res.stdout
+    assert not (m.mnt / "notes.txt").exists()
+    m.umount()
+    assert (m.mnt / "notes.txt").read_text() == "mine"
+    (m.mnt / "notes.txt").unlink()
+    assert "hidden" not in cli("mountfs", "mount", m.store, m.mnt).stdout
+
+
 def test_umount_of_a_busy_mount_says_who_to_look_for(make_mount):
     """A shell cd'ed into the mount keeps it busy: umount says so and how to find it, in
     one line, and the mount goes on serving; once the shell leaves, umount succeeds."""
