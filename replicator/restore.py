@@ -14,20 +14,17 @@ create them faithfully anyway).
 
 Nothing at the destination changes until the whole tree is there: it is built beside it
 under ``.NAME.mountfs-restore-PID`` (0700 until complete) and swapped in at the end
-(``_restore_at``); a failure or SIGHUP/SIGTERM/SIGINT before that removes the partial copy.
+(``_restore_at``, with ``swap.py``); a failure or SIGHUP/SIGTERM/SIGINT before that removes
+the partial copy.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
-import shutil
 import signal
 import stat
-import threading
 from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +35,7 @@ from mountfs import snapshots as snaps
 from mountfs.store import Store, StoreError
 
 from .mirror import MirrorError
+from .swap import SIGNALS, Interrupted, discard, exists_at, side_name, signals_raise, swap
 
 FETCH_BATCH = 64
 OPEN_DIRS = 128                     # directory descriptors kept open while restoring
@@ -85,7 +83,7 @@ def restore_from(mirror, source_store: str, mountpoint: str, snapshot: str, path
     """Rebuild ``path`` of mirror snapshot ``snapshot`` at ``dest`` (relative to the mount).
     ``allow_special`` lets set-id files, file capabilities and device nodes through.
 
-    The tree is built under a temporary name beside the destination (``_side_name``) and
+    The tree is built under a temporary name beside the destination (``side_name``) and
     swapped into place only once every entry is written, checked and has its final mode
     and times: a new name or a replaced file by one rename, a replaced directory by one
     RENAME_EXCHANGE, after which the old tree is removed. A restore that fails or is
@@ -104,7 +102,7 @@ def restore_from(mirror, source_store: str, mountpoint: str, snapshot: str, path
     target = Path(mountpoint) / result.dest.lstrip("/")
     if not target.parent.is_dir():
         raise StoreError(f"the parent directory of {dest!r} does not exist")
-    with _signals_raise():
+    with signals_raise():
         parent_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             _restore_at(mirror, source_store, parent_fd, target.name, replaced is not None,
@@ -119,8 +117,8 @@ def restore_from(mirror, source_store: str, mountpoint: str, snapshot: str, path
 def _restore_at(mirror, source_store: str, parent_fd: int, name: str, replacing: bool,
                 entries: list[Entry], chunk_size: int, result: RestoreResult) -> None:
     """Build the tree beside ``name`` in ``parent_fd``, swap it in, remove the old one."""
-    tmp = _side_name(name, "restore")
-    if _exists_at(parent_fd, tmp):
+    tmp = side_name(name, "restore")
+    if exists_at(parent_fd, tmp):
         raise StoreError(f"{tmp!r} is in the way of the restore's temporary copy (left by "
                          f"an earlier restore that was killed?); remove it. "
                          f"{result.dest!r} was left as it was")
@@ -129,11 +127,11 @@ def _restore_at(mirror, source_store: str, parent_fd: int, name: str, replacing:
         _build(mirror, source_store, parent_fd, tmp, entries, chunk_size, result)
         held = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         try:                    # a signal now lands before or after the swap, never inside
-            old = _swap(parent_fd, tmp, name, replacing)
+            old = swap(parent_fd, tmp, name, replacing)
             swapped = True
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        if old is not None and not _discard(parent_fd, old, raise_interrupt=True):
+        if old is not None and not discard(parent_fd, old, raise_interrupt=True):
             raise RestoreAborted(f"{result.dest!r} was restored, but its old copy could not "
                                  f"be removed: the old data is left beside it as {old!r}")
     except RestoreAborted:
@@ -144,7 +142,7 @@ def _restore_at(mirror, source_store: str, parent_fd: int, name: str, replacing:
                    f"{old!r}" if old is not None else ""
             raise RestoreAborted(f"{result.dest!r} was restored, but {_why(e)}{left}") \
                 from None
-        left = "" if _discard(parent_fd, tmp) else \
+        left = "" if discard(parent_fd, tmp) else \
             f" (its partial copy {tmp!r} beside it could not be removed)"
         why = f"{_why(e)}; {result.dest!r} was left as it was{left}"
         if isinstance(e, (StoreError, OSError, Interrupted, KeyboardInterrupt)):
@@ -157,42 +155,6 @@ class RestoreAborted(StoreError):
     """A restore --from that stopped: the one line says what it left where."""
 
 
-class Interrupted(BaseException):
-    """SIGHUP, SIGTERM or SIGINT during a restore (raised by ``_signals_raise``)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-    def __str__(self) -> str:
-        return f"interrupted by {signal.Signals(self.signum).name}"
-
-
-SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
-
-
-@contextmanager
-def _signals_raise():
-    """While restoring, a hang-up, SIGTERM or Ctrl-C raises ``Interrupted`` (by default
-    SIGHUP and SIGTERM would end the process at once, leaving the partial copy). A signal
-    the caller ignores (nohup) stays ignored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Interrupted(signum)
-    old = {}
-    try:
-        for s in SIGNALS:
-            if signal.getsignal(s) is not signal.SIG_IGN:
-                old[s] = signal.signal(s, handler)
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 def _why(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         where = f" {e.filename}" if e.filename else ""
@@ -201,14 +163,6 @@ def _why(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return "interrupted by SIGINT"
     return str(e) or type(e).__name__
-
-
-def _side_name(name: str, what: str) -> str:
-    """``.NAME.mountfs-WHAT-PID``: a temporary name beside NAME that says what it is (NAME
-    shortened to keep it within NAME_MAX)."""
-    tail = f".mountfs-{what}-{os.getpid()}".encode()
-    raw = name.encode("utf-8", "surrogateescape")[:S.NAME_MAX - 1 - len(tail)]
-    return "." + raw.decode("utf-8", "surrogateescape") + tail.decode()
 
 
 def _build(mirror, source_store: str, parent_fd: int, tmp: str, entries: list[Entry],
@@ -225,99 +179,6 @@ def _build(mirror, source_store: str, parent_fd: int, tmp: str, entries: list[En
     finally:
         dirs.close()
         local.close()
-
-
-def _exists_at(parent_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
-NO_FLAGS = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
-
-
-def _renameat2(fd: int, old: str, new: str, flags: int) -> bool:
-    """renameat2(2) within one directory; False if the call or the flag is unsupported."""
-    call = getattr(_libc, "renameat2", None)
-    if call is None:
-        return False
-    if call(fd, os.fsencode(old), fd, os.fsencode(new), flags) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in NO_FLAGS:
-        return False
-    raise OSError(err, os.strerror(err), new)
-
-
-def _swap(parent_fd: int, tmp: str, name: str, replacing: bool) -> str | None:
-    """Put the finished ``tmp`` in place of ``name`` atomically (the caller holds the
-    signals). Returns the name beside it under which the old data now lies (None: nothing
-    to remove)."""
-    if not replacing:
-        if not _renameat2(parent_fd, tmp, name, RENAME_NOREPLACE):
-            if _exists_at(parent_fd, name):
-                raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), name)
-            os.rename(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-        return None
-    st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-    if not stat.S_ISDIR(st.st_mode):
-        os.rename(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-        return None
-    old = _side_name(name, "old")
-    if _renameat2(parent_fd, tmp, name, RENAME_EXCHANGE):
-        try:                                 # the old tree gets a name that says so
-            if _renameat2(parent_fd, tmp, old, RENAME_NOREPLACE):
-                return old
-        except OSError:
-            pass
-        return tmp
-    if _exists_at(parent_fd, old):
-        raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), old)
-    os.rename(name, old, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-    try:
-        os.rename(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-    except BaseException:
-        os.rename(old, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-        raise
-    return old
-
-
-def _discard(parent_fd: int, name: str, raise_interrupt: bool = False) -> bool:
-    """Remove ``name`` in ``parent_fd`` (a tree, never following symlinks), best effort:
-    False if something is left. Directories a listing made read-only are opened up first
-    when the plain removal fails."""
-    try:
-        if not _exists_at(parent_fd, name):
-            return True
-        if not stat.S_ISDIR(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
-            os.unlink(name, dir_fd=parent_fd)
-            return True
-        try:
-            shutil.rmtree(name, dir_fd=parent_fd)
-            return True
-        except OSError:
-            pass
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     dir_fd=parent_fd)
-        try:
-            os.fchmod(fd, 0o700)
-            for _, subdirs, _, dfd in os.fwalk(".", dir_fd=fd):
-                for d in subdirs:
-                    os.chmod(d, 0o700, dir_fd=dfd)
-        finally:
-            os.close(fd)
-        shutil.rmtree(name, dir_fd=parent_fd)
-        return True
-    except Interrupted:
-        if raise_interrupt:
-            raise
-        return False
-    except (OSError, KeyboardInterrupt):
-        return False
 
 
 def _path_kind(p: Path) -> str | None:

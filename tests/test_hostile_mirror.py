@@ -527,21 +527,21 @@ def test_the_swap_puts_the_new_tree_in_place_and_the_old_aside(tmp_path, monkeyp
                                                                exchange):
     """Where RENAME_EXCHANGE is refused, the old directory is renamed aside first; either
     way the new tree ends under the name and the old one under a name that says so."""
-    from replicator import restore as r
+    from replicator import swap
     if not exchange:
-        monkeypatch.setattr(r, "_renameat2", lambda fd, old, new, flags: False)
+        monkeypatch.setattr(swap, "renameat2", lambda fd, old, new, flags: False)
     (tmp_path / "d").mkdir()
     (tmp_path / "d/old").write_text("old")
-    tmp = r._side_name("d", "restore")
+    tmp = swap.side_name("d", "restore")
     (tmp_path / tmp).mkdir()
     (tmp_path / tmp / "new").write_text("new")
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        old = r._swap(fd, tmp, "d", True)
+        old = swap.swap(fd, tmp, "d", True)
         assert old == f".d.mountfs-old-{os.getpid()}"
         assert os.listdir(tmp_path / "d") == ["new"]
         assert os.listdir(tmp_path / old) == ["old"]
-        assert r._discard(fd, old)
+        assert swap.discard(fd, old)
         assert sorted(os.listdir(tmp_path)) == ["d"]
     finally:
         os.close(fd)
