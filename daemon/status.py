@@ -48,7 +48,8 @@ def store_figures(store_path: str, urls: list[str] | None,
     holds a base for) in ``mirrors``, and of mirrors replicated to by hand but not
     configured in ``others``, from the store alone: O(snapshots)."""
     now_ns = now_ns or time.time_ns()
-    store = Store.open(store_path, readonly=True, lock=False)
+    # metadata only: without readahead, as the daemon's cycles whose environment it shares
+    store = Store.open(store_path, readonly=True, lock=False, readahead=False)
     try:
         with store.read() as txn:
             dbs = store.db

@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import struct
+import threading
 import time
 import uuid as uuidlib
 from contextlib import contextmanager
@@ -85,6 +86,8 @@ class Store:
         self.lockfd = lockfd
         self.readonly = readonly
         self._values: MapReader | None = None     # set when opened without readahead
+        self._shared: tuple | None = None         # its key in _shared, if it is shared
+        self._closed = False
         self.db = {name: env.open_db(name.encode(), create=False) for name in S.DB_NAMES}
         with env.begin() as txn:
             self.bucket_count = buckets.count_of(txn, self.db)
@@ -134,7 +137,8 @@ class Store:
              holder: str = "", readahead: bool = True) -> "Store":
         """Open an existing store. With ``lock``, take the exclusive store lock (a second
         writer gets a clear StoreError naming the holder). ``readahead=False`` suits a
-        process that reads only metadata (see _open_env)."""
+        process that reads only metadata (see _open_env). Unlocked read-only opens in one
+        process share one environment (_open_shared)."""
         path = Path(path).absolute()
         check_store(path)
         if not path.is_dir():
@@ -147,6 +151,8 @@ class Store:
             raise StoreError(f"{_data_file(path)} is empty: an interrupted mkfs (delete it and "
                              f"run 'mountfs mkfs {path}' again), or a store whose data was "
                              f"lost (restore it from a backup or a mirror)")
+        if readonly and not lock:
+            return cls._open_shared(path, readahead)
         lockfd = _take_lock(path, holder) if lock else None
         env = None
         try:
@@ -165,6 +171,31 @@ class Store:
             raise
         if lockfd is not None and not readonly:
             store._finish_interrupted()
+        return store
+
+    @classmethod
+    def _open_shared(cls, path: Path, readahead: bool) -> "Store":
+        """An unlocked read-only open, of the environment this process has open for the
+        store if there is one: LMDB allows one per process (its fcntl locks are the
+        process's; py-lmdb refuses a second), and the daemon reads a store while its
+        replication cycles read it in other threads. The first opener's readahead applies.
+        A store is its data file (as for py-lmdb): not one made anew at the same path."""
+        st = _data_file(path).stat()
+        key = (st.st_dev, st.st_ino)
+        with _shared_lock:
+            entry = _shared.get(key) or _SharedEnv.open(path, readahead)
+            try:
+                store = cls(path, entry.env, None, True)
+                if not entry.readahead:
+                    from .mapread import MapReader
+                    store._values = MapReader(str(_data_file(path)))
+            except BaseException:
+                if not entry.users:
+                    entry.env.close()
+                raise
+            entry.users += 1
+            _shared[key] = entry
+        store._shared = key
         return store
 
     def _finish_interrupted(self) -> None:
@@ -189,9 +220,16 @@ class Store:
         return self._values.copy(value) if self._values is not None else bytes(value)
 
     def close(self) -> None:
-        if not self.readonly:
-            self.env.sync(True)
-        self.env.close()
+        """Idempotent: a shared environment must lose this user once only."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._shared is not None:
+            _SharedEnv.release(self._shared)
+        else:
+            if not self.readonly:
+                self.env.sync(True)
+            self.env.close()
         if self._values is not None:
             self._values.close()
             self._values = None
@@ -321,6 +359,38 @@ def _refuse_a_mountpoint(path: Path) -> None:
     if store is not None:
         raise StoreError(f"{path} is where the store {store} is mounted, not a store: give "
                          f"the store's directory instead")
+
+
+class _SharedEnv:
+    """A read-only environment and how many open Stores use it (Store._open_shared)."""
+
+    def __init__(self, env: lmdb.Environment, readahead: bool):
+        self.env, self.readahead, self.users = env, readahead, 0
+
+    @classmethod
+    def open(cls, path: Path, readahead: bool) -> "_SharedEnv":
+        env = _open_env(path, readonly=True, create=False, readahead=readahead)
+        try:
+            _check_size(env, path)
+            _check_format(env, path)
+        except BaseException:
+            env.close()
+            raise
+        return cls(env, readahead)
+
+    @staticmethod
+    def release(key: tuple) -> None:
+        """One user fewer; the last one closes the environment."""
+        with _shared_lock:
+            entry = _shared[key]
+            entry.users -= 1
+            if not entry.users:
+                del _shared[key]
+                entry.env.close()
+
+
+_shared_lock = threading.Lock()
+_shared: dict[tuple, _SharedEnv] = {}       # (st_dev, st_ino) of a data file -> its environment
 
 
 def _open_env(path: Path, readonly: bool, create: bool,

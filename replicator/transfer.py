@@ -11,7 +11,10 @@ batch that fails is retried by Spark; a retry first asks the mirror what it stil
 chunks staged before a failure stay staged, so a re-run sends only what is still missing.
 
 Spark runs embedded (``local[*]``) unless a master URL is given; the session is created once
-per process and reused by later cycles (the daemon keeps it).
+per process and reused by later cycles (the daemon keeps it). Its jobs take turns: the
+daemon runs cycles to several mirrors at once, and under Spark's FIFO scheduler a second
+job gets no task slot while the first has tasks waiting, which the second's watchdog would
+take for a stall.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ QUIET_LOGGING = f"-Dlog4j.configurationFile=file:{LOG4J_CONFIG}"
 
 _session_lock = threading.Lock()
 _session = None
+_job_lock = threading.Lock()        # one Spark job at a time in this process
+_cancels = 0                        # how many times cancel_all ran
 
 
 def spark_session(master: str | None = None):
@@ -74,8 +79,11 @@ def spark_session(master: str | None = None):
 
 
 def cancel_all() -> None:
-    """Cancel every running Spark job of this process (the daemon stopping)."""
+    """Cancel every running Spark job of this process (the daemon stopping), and the jobs
+    waiting for their turn."""
+    global _cancels
     with _session_lock:
+        _cancels += 1
         if _session is not None:
             _session.sparkContext.cancelAllJobs()
 
@@ -91,6 +99,17 @@ def open_spark_log(path: str) -> int:
     """The Spark log, opened for appending: in a shared $TMPDIR another user could have put
     a link or a file of theirs at its name first, so neither is followed or written (0600)."""
     return open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+
+@contextlib.contextmanager
+def _one_job_at_a_time():
+    """This job's turn, once the job in flight has ended. A job still waiting when
+    ``cancel_all`` runs does not start: the daemon, stopping, would wait for all of it."""
+    cancels = _cancels
+    with _job_lock:
+        if _cancels != cancels:
+            raise TransferFailed("cancelled before it started; run again to resume")
+        yield
 
 
 @contextlib.contextmanager
@@ -168,9 +187,15 @@ def send(source, sink, chunk_batches: list, master: str | None = None,
     picklable object with ``put(list of (digest, data)) -> (chunks, bytes)`` and
     ``missing(digests)``). ``progress(bytes done, bytes in all, chunks in all)`` is called
     as batches finish. A job in which no batch finishes for ``stall_seconds`` is cancelled
-    (TransferStalled); what arrived stays."""
+    (TransferStalled); what arrived stays. A job waits for this process's job in flight,
+    and its watchdog starts with its turn."""
     if not chunk_batches:
         return Sent()
+    with _one_job_at_a_time():
+        return _send(source, sink, chunk_batches, master, stall_seconds, progress)
+
+
+def _send(source, sink, chunk_batches, master, stall_seconds, progress) -> Sent:
     spark = spark_session(master)
     if embedded(spark.sparkContext.master):
         return _run(spark.sparkContext, _BatchSender(str(source.path), None, sink,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -290,14 +292,77 @@ token_file = "{tmp_path}/token"
         (m.mnt / f"later{i}").write_text(str(i))
         time.sleep(1.3)
     wait_for("the fast mirror", lambda: mirror_is_current(m, config, fast.url))
-    local = [json.loads(x)["name"] for x in m.snapctl("list", "--json").stdout.splitlines()]
+    # the slow base and the newest (a snapshot a retry to the slow mirror is sending stays
+    # until that try fails)
+    local = wait_for("the prune", lambda: len(snapshot_names(m)) == 2 and snapshot_names(m))
     assert slow_base in local                              # held: not pruned by keep_last 1
-    assert len(local) == 2                                 # the slow base and the newest
     slow.start()                                           # back, same address
     wait_for("the slow mirror to catch up", lambda: mirror_is_current(m, config, slow.url))
     s = status(m, config)["mirrors"][slow.url]
     assert s["last_cycle"]["base"] == slow_base            # one incremental diff from its base
     d.stop()
+
+
+@contextlib.contextmanager
+def mute_mirror():
+    """The URL of a receiver that accepts connections and never answers (a hung host): an
+    HTTP call to it waits for its read timeout. Accepted sockets stay open until the end."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    accepted: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept():
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                accepted.append(server.accept()[0])
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", accepted
+    finally:
+        done.set()
+        thread.join()
+        server.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_snapshots_go_on_while_a_mirror_never_answers(mounted, daemon, tmp_path):
+    """A cycle stuck on a mirror that never answers holds up neither the snapshots nor the
+    local prune, and the prune keeps the snapshot that cycle is sending (keep_last = 1
+    alone would delete it as soon as a newer one is taken); SIGTERM then ends the daemon
+    (it ran on for the 600 s of the read timeout)."""
+    m = mounted
+    token = tmp_path / "token"
+    token.write_text("token\n")
+    token.chmod(0o600)
+    with mute_mirror() as (url, accepted):
+        config = tmp_path / "mute.toml"
+        config.write_text(f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n\n[[filesystem]]\n'
+                          f'name = "data"\nmountpoint = "{m.mnt}"\nmin_interval = "1s"\n'
+                          f'retention = {{ keep_last = 1 }}\n\n[[filesystem.mirror]]\n'
+                          f'url = "{url}"\ntoken_file = "{token}"\n')
+        (m.mnt / "first").write_text("first")
+        d = daemon(config)
+        wait_for("the first snapshot", lambda: snapshot_names(m), timeout=60)
+        sending = snapshot_names(m)[0]
+        wait_for("its cycle to reach the mirror", lambda: accepted, timeout=60)
+        for i in range(4):
+            (m.mnt / f"later{i}").write_text(str(i))
+            time.sleep(1.2)
+        wait_for("snapshots while the cycle hangs",
+                 lambda: d.text().count("data: snapshot auto-") >= 3, timeout=60)
+        wait_for("a local prune while the cycle hangs", lambda: "data: pruned" in d.text(),
+                 timeout=60)
+        wait_for("what it sends and the newest", lambda: len(snapshot_names(m)) == 2)
+        assert snapshot_names(m)[0] == sending
+        assert status(m, config)["mirrors"][url]["base"] is None       # still sending
+        assert "replicated" not in d.text()
+        # SIGTERM with the call still hanging (a worker thread cannot be cancelled): after
+        # the grace period the call is shut down and the daemon ends, before systemd's kill
+        assert d.stop() == 0, d.text()
+    assert "aborting it" in d.text() and "the call was aborted" in d.text(), d.text()
 
 
 def test_prune_dry_run_says_why(mounted, tmp_path):
@@ -376,8 +441,8 @@ def snapshot_names(m) -> list[str]:
 def test_an_unexpected_error_from_one_mirror_fails_that_mirror_alone(mounted, tmp_path,
                                                                      monkeypatch, caplog):
     """A mirror whose cycle fails with an error nobody expected (a bug) gets its own backoff
-    and a one-line last_error, with the traceback in the log; the mirror after it is still
-    replicated to and the step ends normally (snapshots keep their pace)."""
+    and a one-line last_error, with the traceback in the log; the other mirror is still
+    replicated to and the steps go on normally (snapshots keep their pace)."""
     import trio
 
     from daemon import config as config_mod, service
@@ -407,12 +472,21 @@ url = "file://{good}"
     (m.mnt / "a").write_text("a")
     cfg = config_mod.load(config)
     loop = service.FilesystemLoop(cfg.filesystems[0], cfg, None)
-    with caplog.at_level(logging.INFO, logger="mountfsd"):
-        trio.run(loop.step)                            # does not raise
     bad_state = loop.state.mirror(f"file://{bad}")
+    good_state = loop.state.mirror(f"file://{good}")
+
+    async def until_both_cycled():
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(loop.run)               # does not raise
+                while not (bad_state.failures and good_state.cycles_total):
+                    await trio.sleep(0.1)
+                nursery.cancel_scope.cancel()
+    with caplog.at_level(logging.INFO, logger="mountfsd"):
+        trio.run(until_both_cycled)
     assert bad_state.failures == 1 and bad_state.next_try_ns is not None
     assert bad_state.last_error == "unexpected error: KeyError: 'format'"
     assert "Traceback" in caplog.text and "KeyError" in caplog.text
-    good_state = loop.state.mirror(f"file://{good}")
     assert good_state.failures == 0 and good_state.cycles_total == 1
+    assert loop.state.last_error is None and loop.state.last_snapshot
     assert mirror_is_current(m, config, f"file://{good}")

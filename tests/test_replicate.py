@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -241,6 +242,27 @@ def test_interrupted_cycle_resumes_without_resending(spark, mounted, tmp_path):
     result = send(m, mirror, "s1")
     assert result.bytes_sent == sum(n for _, n in wanted) - sum(n for _, n in half)
     assert_mirror_equals(m, mirror, "s1", tmp_path)
+
+
+def test_a_spark_job_waiting_for_its_turn_does_not_start_after_cancel_all():
+    """Spark jobs of one process take turns (the daemon sends to several mirrors at once);
+    one still waiting when cancel_all runs (the daemon stopping) gives up instead of
+    starting, so that the stop does not wait for a whole job more."""
+    failed = []
+
+    def second_job():
+        try:
+            transfer.send(None, None, [[("00" * 32, 1)]])
+        except transfer.TransferFailed as e:
+            failed.append(str(e))
+    with transfer._one_job_at_a_time():                  # a job in flight
+        waiting = threading.Thread(target=second_job)
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive()                         # waiting for its turn
+        transfer.cancel_all()
+    waiting.join(30)
+    assert failed == ["cancelled before it started; run again to resume"]
 
 
 # ---- what the mirror refuses --------------------------------------------------------------
