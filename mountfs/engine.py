@@ -488,13 +488,18 @@ class Engine:
         return snap
 
     async def changed_since_snapshot(self) -> bool:
-        """Whether anything changed since the newest snapshot: O(1), the root's mepoch
-        (buffered writes not yet committed are counted in ``files.dirty_bytes``; a posted
-        step, which raises the mepoch of ancestors it does not mark, is a change)."""
+        """Whether anything changed since the newest snapshot there is: O(1), the root's
+        mepoch against that snapshot's epoch (not the live epoch's start: after the newest
+        snapshot is deleted, what only it held counts as changed again). Buffered writes
+        not yet committed are counted in ``files.dirty_bytes``; a posted step, which raises
+        the mepoch of ancestors it does not mark, is a change."""
         if self._posted:
             return True
-        root = await self.look(lambda v: v.get(S.ROOT_INO), marks=(S.ROOT_INO,))
-        return root.mepoch >= self.live
+
+        def root_and_newest(v):
+            return v.get(S.ROOT_INO).mepoch, snapshots.newest_epoch(v.txn, self.db)
+        mepoch, newest = await self.look(root_and_newest, marks=(S.ROOT_INO,))
+        return mepoch >= self.live if newest is None else mepoch > newest
 
     def list_snapshots(self) -> list[S.Snapshot]:
         with self.store.read() as txn:

@@ -77,6 +77,12 @@ def list_all(txn, dbs) -> list[S.Snapshot]:
     return out
 
 
+def newest_epoch(txn, dbs) -> int | None:
+    """The epoch of the newest snapshot there is (None: none), in O(1)."""
+    cur = txn.cursor(db=dbs["snapepochs"])
+    return S.from_u64(cur.key()) if cur.last() else None
+
+
 def get(txn, dbs, name: str) -> S.Snapshot:
     raw = name.encode("utf-8", "surrogateescape")
     val = txn.get(raw, db=dbs["snaps"]) if raw and len(raw) <= 511 else None

@@ -142,3 +142,24 @@ def test_unmounting_removes_the_mounts_runtime_directory(make_mount):
     assert (where / control.RECORD_NAME).exists()
     m.umount()
     assert not where.exists()
+
+
+def test_deleting_the_newest_snapshot_makes_what_only_it_held_a_change_again(mounted):
+    """mountfsd snapshots when the status says "changed". That compared the root's mepoch
+    with the live epoch's start: after the newest snapshot was deleted, the writes only it
+    had held were never snapshotted again (nor replicated) until the next write."""
+    def changed() -> bool:
+        return control.request(mounted.store, {"op": "status"})["changed"]
+    (mounted.mnt / "a").write_text("a")
+    mounted.snapctl("create", "s1")
+    assert not changed()
+    (mounted.mnt / "b").write_text("b")
+    assert changed()
+    mounted.snapctl("create", "s2")
+    assert not changed()
+    mounted.snapctl("delete", "s2")
+    assert changed()                    # b is in no snapshot now
+    mounted.snapctl("create", "s3")
+    assert not changed()
+    mounted.snapctl("delete", "s1")     # an older one: s3 holds everything
+    assert not changed()
