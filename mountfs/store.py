@@ -26,6 +26,7 @@ import struct
 import threading
 import time
 import uuid as uuidlib
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -86,7 +87,7 @@ class Store:
         self.lockfd = lockfd
         self.readonly = readonly
         self._values: MapReader | None = None     # set when opened without readahead
-        self._shared: tuple | None = None         # its key in _shared, if it is shared
+        self._shared: _SharedEnv | None = None    # the environment's entry, if shared
         self._closed = False
         self.db = {name: env.open_db(name.encode(), create=False) for name in S.DB_NAMES}
         with env.begin() as txn:
@@ -183,7 +184,7 @@ class Store:
         st = _data_file(path).stat()
         key = (st.st_dev, st.st_ino)
         with _shared_lock:
-            entry = _shared.get(key) or _SharedEnv.open(path, readahead)
+            entry = _shared.get(key) or _SharedEnv.open(path, key, readahead)
             try:
                 store = cls(path, entry.env, None, True)
                 if not entry.readahead:
@@ -195,7 +196,7 @@ class Store:
                 raise
             entry.users += 1
             _shared[key] = entry
-        store._shared = key
+        store._shared = entry
         return store
 
     def _finish_interrupted(self) -> None:
@@ -225,7 +226,7 @@ class Store:
             return
         self._closed = True
         if self._shared is not None:
-            _SharedEnv.release(self._shared)
+            self._shared.release()
         else:
             if not self.readonly:
                 self.env.sync(True)
@@ -362,13 +363,16 @@ def _refuse_a_mountpoint(path: Path) -> None:
 
 
 class _SharedEnv:
-    """A read-only environment and how many open Stores use it (Store._open_shared)."""
+    """A read-only environment and how many open Stores use it (Store._open_shared). The
+    Stores hold it; the table of them only refers to it (weakly), so that Stores dropped
+    without close() let it go with them, as an unshared environment goes: each maps the
+    store's whole map size, and a process has room for only a few dozen of those."""
 
-    def __init__(self, env: lmdb.Environment, readahead: bool):
-        self.env, self.readahead, self.users = env, readahead, 0
+    def __init__(self, env: lmdb.Environment, key: tuple, readahead: bool):
+        self.env, self.key, self.readahead, self.users = env, key, readahead, 0
 
     @classmethod
-    def open(cls, path: Path, readahead: bool) -> "_SharedEnv":
+    def open(cls, path: Path, key: tuple, readahead: bool) -> "_SharedEnv":
         env = _open_env(path, readonly=True, create=False, readahead=readahead)
         try:
             _check_size(env, path)
@@ -376,21 +380,21 @@ class _SharedEnv:
         except BaseException:
             env.close()
             raise
-        return cls(env, readahead)
+        return cls(env, key, readahead)
 
-    @staticmethod
-    def release(key: tuple) -> None:
+    def release(self) -> None:
         """One user fewer; the last one closes the environment."""
         with _shared_lock:
-            entry = _shared[key]
-            entry.users -= 1
-            if not entry.users:
-                del _shared[key]
-                entry.env.close()
+            self.users -= 1
+            if not self.users:
+                if _shared.get(self.key) is self:
+                    del _shared[self.key]
+                self.env.close()
 
 
 _shared_lock = threading.Lock()
-_shared: dict[tuple, _SharedEnv] = {}       # (st_dev, st_ino) of a data file -> its environment
+_shared: "weakref.WeakValueDictionary[tuple, _SharedEnv]" = weakref.WeakValueDictionary()
+# (st_dev, st_ino) of a data file -> its environment, while a Store holds it
 
 
 def _open_env(path: Path, readonly: bool, create: bool,

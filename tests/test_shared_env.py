@@ -61,3 +61,15 @@ def test_threads_opening_reading_and_closing_at_once(tmp_path):
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_stores_dropped_without_close_let_their_environments_go(tmp_path):
+    """Each environment maps the store's whole map size, so a process has room for only a
+    few dozen at once. The table of shared environments held them for good: Stores a
+    caller dropped without close() (as they were before sharing, freed with the Store)
+    used up the address space, and every later open failed ("Cannot allocate memory")."""
+    for i in range(40):
+        Store.mkfs(tmp_path / f"s{i}", 1 << 20)
+        store = Store.open(tmp_path / f"s{i}", readonly=True, lock=False)
+        assert store.chunk_size == 1 << 20
+        del store                                 # dropped, never closed
