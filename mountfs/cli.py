@@ -92,7 +92,13 @@ def mount(ctx, store, mountpoint, foreground, allow_other, read_only, verbose, r
 
 def _hidden_note(mountpoint: str) -> str:
     """What mounting over a directory that has files hides (as mount(8) does, silently:
-    a user who mounts over their data must not believe it gone), or ""."""
+    a user who mounts over their data must not believe it gone), or "". Not looked at if
+    something is mounted there: a stopped mount would hang the listing, and the mount
+    refuses that mountpoint anyway."""
+    from .mount import canonical, mounts
+    path = canonical(mountpoint)
+    if any(m.mountpoint == path for m in mounts()):
+        return ""
     try:
         with os.scandir(mountpoint) as entries:
             count = sum(1 for _ in entries)
