@@ -16,6 +16,7 @@ import click
 from . import units
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
+INTERRUPTED = 130          # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 
 
 def fail(msg: str, code: int = 1):
@@ -75,7 +76,9 @@ def _one_line(e: click.UsageError) -> click.UsageError:
 
 
 class _OneLine:
-    """Usage errors, from parsing or raised by the command itself, as one line."""
+    """Usage errors, from parsing or raised by the command itself, as one line; Ctrl-C
+    that no command handled itself as one line and status 130 (click's own is "Aborted!"
+    and status 1, which ``verify`` uses for "the mirror differs")."""
 
     def make_context(self, info_name, args, parent=None, **extra):
         try:
@@ -88,6 +91,9 @@ class _OneLine:
             return super().invoke(ctx)
         except click.UsageError as e:
             raise _one_line(e) from None
+        except KeyboardInterrupt:
+            click.echo(f"{ctx.command_path}: interrupted", err=True)
+            ctx.exit(INTERRUPTED)
 
 
 class OneLineCommand(_OneLine, click.Command):

@@ -19,6 +19,12 @@ from .mirror import MirrorError, SnapshotRef
 from .server import (MAX_BODY, compress, compress_json, decompress, loads, pack_frames,
                      unpack_frames)
 
+
+class MirrorUnreachable(MirrorError):
+    """A call whose answer never came whole (the connection failed, the deadline passed, the
+    answer overran its cap): what the mirror did with it is not known."""
+
+
 TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=10.0)
 
 
@@ -65,15 +71,16 @@ def _call(client: httpx.Client, method: str, path: str, body: bytes | None = Non
                 for piece in streamed.iter_raw():
                     data += piece
                     if len(data) > limit:
-                        raise MirrorError(f"the mirror at {client.base_url} sent a response "
-                                          f"over {limit} bytes; refused")
+                        raise MirrorUnreachable(f"the mirror at {client.base_url} sent a "
+                                                f"response over {limit} bytes; refused")
                 res = httpx.Response(streamed.status_code, headers=streamed.headers,
                                      content=bytes(data))
         except httpx.HTTPError as e:
             if deadline.why is not None:
-                raise MirrorError(f"the mirror at {client.base_url}: {deadline.why}") \
+                raise MirrorUnreachable(f"the mirror at {client.base_url}: {deadline.why}") \
                     from None
-            raise MirrorError(f"cannot reach the mirror at {client.base_url}: {e}") from None
+            raise MirrorUnreachable(f"cannot reach the mirror at {client.base_url}: {e}") \
+                from None
     if res.status_code == 401:
         raise MirrorError(f"the mirror at {client.base_url} refused the token (401)")
     if not 200 <= res.status_code < 300:

@@ -11,18 +11,19 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 
 import click
 
 from mountfs import snapctl
-from mountfs.clitools import (CONTEXT, DURATION, LISTEN, POSITIVE_SIZE, SIZE, escaped, fail,
-                              target_options)
+from mountfs.clitools import (CONTEXT, DURATION, INTERRUPTED, LISTEN, POSITIVE_SIZE, SIZE, escaped,
+                              fail, target_options)
 from mountfs.errors import StoreError
+from mountfs.interrupts import Interrupted, signals_raise
 
 TOKEN_HELP = "Bearer token for an http(s) mirror (else $MOUNTFS_TOKEN)."
 CA_HELP = "Trust only this CA certificate for an https mirror (a self-signed receiver)."
-INTERRUPTED = 130          # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 
 
 def _token(token_file: str | None) -> str | None:
@@ -156,22 +157,25 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
     ours = None                           # the snapshot this run took, if any
     progress = Progress(enabled=not as_json and sys.stderr.isatty())
     try:
-        mirror = open_checked_mirror(where, mirror_url, token_file, ca_file)
-        try:
-            if name is None:
-                ours = name = _take_snapshot(where)
+        with signals_raise((signal.SIGHUP, signal.SIGTERM)):   # as Ctrl-C: cleaned up
+            mirror = open_checked_mirror(where, mirror_url, token_file, ca_file)
             try:
-                result = _cycle(where, mirror, name, force, spark_master, batch_size,
-                                spark_threshold, stall_timeout, progress)
+                if name is None:
+                    ours = name = _take_snapshot(where)
+                try:
+                    result = _cycle(where, mirror, name, force, spark_master, batch_size,
+                                    spark_threshold, stall_timeout, progress)
+                except BaseException as e:
+                    if progress.last_phase == COMMITTING and not _refused(e):
+                        ours = None       # the mirror may hold it now: it must stay
+                    raise
+                ours = None               # the mirror's base from now on
+                snapctl.hold(where, mirror.info()["uuid"], result.hold, mirror_url)
             finally:
-                if progress.last_phase == COMMITTING:
-                    ours = None           # the mirror may hold it now: it must stay
-            snapctl.hold(where, mirror.info()["uuid"], result.hold, mirror_url)
-        finally:
-            progress.close()
-            mirror.close()
-    except KeyboardInterrupt:
-        _interrupted(where, ours)
+                progress.close()
+                mirror.close()
+    except (KeyboardInterrupt, Interrupted) as e:
+        _interrupted(where, ours, e)
     except (StoreError, OSError) as e:
         _drop(where, ours)
         fail(_message(e))
@@ -182,6 +186,28 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
             raise                         # a bug: its traceback is what finds it
         fail(f"transfer failed: {e}")
     click.echo(json.dumps(result.to_json()) if as_json else result.summary())
+    _done_whatever_comes()
+
+
+def _refused(e: BaseException) -> bool:
+    """Whether the mirror refused the commit outright (it said so, or a file:// mirror's
+    transaction raised): it holds nothing of this run, so the run's snapshot can go. A
+    commit cut off on the wire may have been applied: its snapshot stays."""
+    from .client import MirrorUnreachable
+    from .mirror import MirrorError
+    return isinstance(e, MirrorError) and not isinstance(e, MirrorUnreachable)
+
+
+def _done_whatever_comes() -> None:
+    """The run is complete and said so: Ctrl-C, SIGTERM or SIGHUP while Spark shuts down as
+    Python exits would only print py4j's tracebacks over a success, so they end the process
+    at once, with the success's status."""
+    def leave(signum, frame):
+        sys.stdout.flush()
+        os._exit(0)
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, leave)
 
 
 def _cycle(where, mirror, name, force, spark_master, batch_bytes, inline_bytes,
@@ -239,10 +265,11 @@ def _drop(where: snapctl.Target, name: str | None) -> None:
                    err=True)
 
 
-def _interrupted(where: snapctl.Target, ours: str | None) -> None:
-    """Ctrl-C: one line and status 130. The terminal's SIGINT also reached the Spark JVM,
-    whose broken connection would otherwise print pages of py4j errors as Python exits:
-    cancel what is left, silence it, and leave without running exit handlers."""
+def _interrupted(where: snapctl.Target, ours: str | None, e: BaseException) -> None:
+    """Ctrl-C (status 130), SIGTERM (143) or SIGHUP (129): the run's snapshot removed, one
+    line. The terminal's SIGINT also reached the Spark JVM, whose broken connection would
+    otherwise print pages of py4j errors as Python exits: cancel what is left, silence it,
+    and leave without running exit handlers."""
     logging.disable(logging.CRITICAL)
     transfer = sys.modules.get("replicator.transfer")     # loaded: Spark may be running
     if transfer is not None:
@@ -252,11 +279,12 @@ def _interrupted(where: snapctl.Target, ours: str | None) -> None:
         except Exception:
             pass                          # the JVM may be gone already: nothing to cancel
     _drop(where, ours)
-    click.echo("snapctl: interrupted; chunks that arrived are kept on the mirror: run the "
+    how = str(e) if isinstance(e, Interrupted) else "interrupted"
+    click.echo(f"snapctl: {how}; chunks that arrived are kept on the mirror: run the "
                "same command again to resume", err=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(INTERRUPTED)
+    os._exit(e.status if isinstance(e, Interrupted) else INTERRUPTED)
 
 
 def _quiet_stderr(log_path: str) -> None:

@@ -32,10 +32,11 @@ import blake3
 
 from mountfs import schema as S
 from mountfs import snapshots as snaps
+from mountfs.interrupts import SIGNALS, Interrupted, signals_raise
 from mountfs.store import Store, StoreError
 
 from .mirror import MirrorError
-from .swap import SIGNALS, Interrupted, discard, exists_at, side_name, signals_raise, swap
+from .swap import discard, exists_at, side_name, swap
 
 FETCH_BATCH = 64
 OPEN_DIRS = 128                     # directory descriptors kept open while restoring

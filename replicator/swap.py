@@ -3,10 +3,9 @@
 What ``restore --from`` needs so that its destination is never half-restored: a temporary
 name beside the destination that says what it is (``side_name``), the swap itself
 (``swap``: one rename, or RENAME_EXCHANGE for a directory, with a rename-aside fallback
-where the kernel lacks it), the removal of a partial or old tree (``discard``), and signals
-that end a restore turned into an exception its caller cleans up after
-(``signals_raise``). Everything works relative to a directory descriptor: the caller opened
-the parent, and no path is followed through a symlink.
+where the kernel lacks it), and the removal of a partial or old tree (``discard``, which
+an ``Interrupted`` stops only when asked). Everything works relative to a directory
+descriptor: the caller opened the parent, and no path is followed through a symlink.
 """
 
 from __future__ import annotations
@@ -15,48 +14,10 @@ import ctypes
 import errno
 import os
 import shutil
-import signal
 import stat
-import threading
-from contextlib import contextmanager
 
 from mountfs import schema as S
-
-
-class Interrupted(BaseException):
-    """SIGHUP, SIGTERM or SIGINT during a restore (raised by ``signals_raise``)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-    def __str__(self) -> str:
-        return f"interrupted by {signal.Signals(self.signum).name}"
-
-
-SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
-
-
-@contextmanager
-def signals_raise():
-    """While restoring, a hang-up, SIGTERM or Ctrl-C raises ``Interrupted`` (by default
-    SIGHUP and SIGTERM would end the process at once, leaving the partial copy). A signal
-    the caller ignores (nohup) stays ignored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Interrupted(signum)
-    old = {}
-    try:
-        for s in SIGNALS:
-            if signal.getsignal(s) is not signal.SIG_IGN:
-                old[s] = signal.signal(s, handler)
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+from mountfs.interrupts import Interrupted
 
 
 def side_name(name: str, what: str) -> str:

@@ -171,6 +171,15 @@ def store(tmp_path) -> Path:
     return path
 
 
+
+def as_typed_at_a_terminal() -> None:
+    """In a child (``preexec_fn``): SIGHUP, SIGINT and SIGTERM take their default course, as
+    for a command typed at a terminal, whatever this test run inherited (CI started in the
+    background ignores SIGINT, under nohup SIGHUP; the commands keep an ignored signal
+    ignored)."""
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
 @pytest.fixture
 def make_mount(tmp_path):
     """Factory: make_mount(store=None, *extra_options) -> Mount. Every mount is unmounted

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import blake3
 import pytest
-from conftest import Mount, cli, fsck_clean
+from conftest import Mount, as_typed_at_a_terminal, cli, fsck_clean
 
 from replicator.server import compress, compress_json, decompress, pack_frames
 
@@ -464,21 +464,13 @@ def start_stalled_restore(fs, name: str) -> subprocess.Popen:
                              "restore", "--from", server.url, "--token-file",
                              str(base / "token"), "s", "--to", name, "--force"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_as_typed_at_a_terminal)
+                            preexec_fn=as_typed_at_a_terminal)
     deadline = time.monotonic() + 60
     while not server.stalled.wait(0.05):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"the restore never got to ./n24: {proc.communicate()}")
     return proc
-
-
-def _as_typed_at_a_terminal() -> None:
-    """In the child: SIGHUP, SIGINT and SIGTERM take their default course, as for a command
-    typed at a terminal, whatever this test run inherited (CI started in the background
-    ignores SIGINT, under nohup SIGHUP; the restore keeps an ignored signal ignored)."""
-    for sig in SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
 
 
 SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)

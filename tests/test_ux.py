@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TOKEN, cli, free_port
+from conftest import TOKEN, as_typed_at_a_terminal, cli, free_port
 from test_daemon import daemon, mirror_is_current, wait_for, write_config  # noqa: F401 (fixture)
 from test_replicate import tamper
 
@@ -538,24 +538,35 @@ def test_readme_points_only_inside_the_project():
 
 # ---- 10: Ctrl-C during a Spark transfer ----------------------------------------------------
 
-def test_ctrl_c_during_a_spark_transfer_is_one_line_and_the_rerun_resumes(mounted, tmp_path):
+@pytest.mark.parametrize("sig, how, status", [
+    (signal.SIGINT, "interrupted", 130),               # Ctrl-C: the whole foreground job
+    (signal.SIGTERM, "interrupted by SIGTERM", 143),   # kill, timeout: the command only
+    (signal.SIGHUP, "interrupted by SIGHUP", 129),     # a dropped ssh session: the job
+], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_an_interrupted_spark_transfer_is_one_line_and_the_rerun_resumes(mounted, tmp_path,
+                                                                         sig, how, status):
+    """SIGTERM and SIGHUP ended the run at once (status 143 or 129, no word) and left its
+    snapshot, pinning everything it held, where Ctrl-C cleaned up."""
     from test_replicate import staged_count
     m, mirror = mounted, tmp_path / "mirror"
     for i in range(40):
         (m.mnt / f"f{i}").write_bytes(os.urandom(1 << 20))
     args = [sys.executable, "-m", "cmdline.snapctl", "-m", str(m.mnt), "replicate", "--to",
             f"file://{mirror}", "--batch-size", "1M", "--spark-threshold", "0"]
-    # its own process group, as a shell gives a foreground job: Ctrl-C reaches all of it
+    # its own process group, as a shell gives a foreground job
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=as_typed_at_a_terminal)
     deadline = time.monotonic() + 240
     while staged_count(mirror) == 0 and proc.poll() is None:
         assert time.monotonic() < deadline, "the transfer never started"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGINT)
+    if sig == signal.SIGTERM:
+        proc.send_signal(sig)
+    else:
+        os.killpg(proc.pid, sig)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, (out, err)
-    assert err.strip() == ("snapctl: interrupted; chunks that arrived are kept on the mirror: "
+    assert proc.returncode == status, (out, err)
+    assert err.strip() == (f"snapctl: {how}; chunks that arrived are kept on the mirror: "
                            "run the same command again to resume")
     assert snapshots(m) == []                        # the run's snapshot went with it
     staged = staged_count(mirror)
