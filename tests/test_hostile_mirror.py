@@ -42,6 +42,9 @@ class HostileMirror(ThreadingHTTPServer):
         self.blobs: dict[bytes, bytes] = {}
         self.info: object = None                  # /v1/info's JSON (None: a plausible one)
         self.answers: dict[str, bytes] = {}       # any other path -> the bytes it answers
+        self.prefixed: dict[str, bytes] = {}      # a path's start -> the bytes it answers
+        self.refusals: dict[str, int] = {}        # a path -> the 4xx it answers, or 0: the
+                                                  # connection closed without an answer
         self.stall_on: bytes | None = None         # a digest whose request waits for release
         self.release = threading.Event()
         self.stalled = threading.Event()           # set once that request came
@@ -68,8 +71,22 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"] or 0))
-        if self.path in self.server.answers:
+        prefixed = next((answer for start, answer in self.server.prefixed.items()
+                         if self.path.startswith(start)), None)
+        if self.path in self.server.refusals:
+            status = self.server.refusals[self.path]
+            if not status:
+                self.close_connection = True
+                return
+            self.send_response(status)
+            error = json.dumps({"error": "refused by the test's mirror"}).encode()
+            self.send_header("Content-Length", str(len(error)))
+            self.end_headers()
+            self.wfile.write(error)
+        elif self.path in self.server.answers:
             self._reply(self.server.answers[self.path])
+        elif prefixed is not None:
+            self._reply(prefixed)
         elif self.path == "/v1/export":
             self._reply(compress_json(self.server.listing))
         elif self.path == "/v1/read-chunks":
@@ -344,6 +361,31 @@ def test_verify_refuses_bucket_hashes_of_the_wrong_length(fs, answer):
         assert server.url in res.stderr and "/v1/buckets" in res.stderr, res.stderr
     finally:
         m.snapctl("delete", "verified")
+
+
+@pytest.mark.parametrize("status, kept", [(409, False), (0, True)], ids=["refused", "cut-off"])
+def test_a_refused_commit_removes_the_runs_snapshot_one_cut_off_keeps_it(fs, status, kept):
+    """A commit the mirror refused outright (a 4xx) left the run's repl- snapshot, pinning
+    what it held, as if the mirror might hold it; one whose answer never came may have been
+    applied, so its snapshot stays (the next run finds it there, or sends it again)."""
+    m, server, _ = fs
+    (m.mnt / "committed").write_bytes(os.urandom(3000))
+    before = snapshots(m)
+    server.prefixed, server.refusals = {"/v1/parts/": b'{"ok": true}'}, \
+        {"/v1/commit-parts": status}
+    try:
+        res = against(fs, "replicate", plausible(), {"/v1/missing": b"",
+                                                     "/v1/chunks": b'{"stored": 0, "bytes": 0}'})
+    finally:
+        server.prefixed, server.refusals = {}, {}
+    assert res.returncode == 1 and len(res.stderr.splitlines()) == 1, res.stderr
+    assert ("refused by the test's mirror" in res.stderr) != kept, res.stderr
+    after = snapshots(m)
+    if kept:
+        assert len(after) == len(before) + 1 and after[-1]["name"].startswith("repl-")
+        m.snapctl("delete", after[-1]["name"])
+    else:
+        assert after == before
 
 
 def test_a_replicate_that_fails_on_a_bug_still_removes_its_snapshot(fs, monkeypatch):
