@@ -437,11 +437,13 @@ def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_fil
         fail(str(e))
     except OSError as e:
         fail(f"restore from the mirror failed: {_message(e)}")
+    replaced = "" if result.replaced is None else f"; replaced ./{escaped(result.dest)}" + (
+        f" ({result.replaced_entries} entries)" if result.replaced == "directory" else "")
     click.echo(f"restored ./{escaped(rel)} of {escaped(name)} from {url} to "
                f"./{escaped(result.dest)}: "
                f"{result.entries} entries, "
                f"{result.bytes_fetched} bytes fetched, {result.bytes_local} bytes found "
-               f"locally")
+               f"locally{replaced}")
     if result.left_out:
         click.echo(f"snapctl: warning: {len(result.left_out)} special files left out or "
                    f"stripped of set-id bits (e.g. {escaped(result.left_out[0])}): only root "

@@ -55,6 +55,8 @@ class RestoreResult:
     bytes_local: int = 0
     left_out: list[str] = field(default_factory=list)   # special files a non-root user skipped
     dest: str = ""                  # where the tree went: DEST, or DEST/NAME for DEST/
+    replaced: str | None = None     # the kind of what --force replaced there, if anything
+    replaced_entries: int = 0       # the names that were in it, for a directory
 
 
 @dataclass
@@ -103,6 +105,9 @@ def restore_from(mirror, source_store: str, mountpoint: str, snapshot: str, path
     target = Path(mountpoint) / result.dest.lstrip("/")
     if not target.parent.is_dir():
         raise StoreError(f"the parent directory of {dest!r} does not exist")
+    result.replaced = replaced
+    if replaced == "directory":
+        result.replaced_entries = len(os.listdir(target))
     with signals_raise():
         parent_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:

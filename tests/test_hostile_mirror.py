@@ -454,6 +454,8 @@ def test_a_failed_force_restore_leaves_the_directory_as_it_was(fs):
     serve(fs, *new_listing("keepdir"))
     res = restore(fs, "keepdir", "--force")
     assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith("; replaced ./keepdir (21 entries)"), \
+        res.stdout                          # README: what --force replaced is named (20 + sub)
     assert sorted(os.listdir(m.mnt / "keepdir")) == sorted(["sub"] + [f"n{i}" for i in range(30)])
     assert (m.mnt / "keepdir/n29").read_bytes() == b"new 29 keepdir\n" * 100
     assert stat.S_IMODE(os.stat(m.mnt / "keepdir").st_mode) == 0o755
@@ -480,6 +482,7 @@ def test_a_failed_force_restore_of_a_big_file_keeps_the_old_file(fs):
     server.blobs = dict(zip(digests, chunks))
     res = restore(fs, "big", "--force")
     assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith("; replaced ./big"), res.stdout
     assert (m.mnt / "big").read_bytes() == b"".join(chunks)
     assert leftovers(m, "big") == []
 
