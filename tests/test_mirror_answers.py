@@ -10,7 +10,10 @@ module: the connect timeout is its deadline.)"""
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -146,3 +149,23 @@ def test_an_answer_no_receiver_gives_says_check_the_url(status, headers, body, s
     assert str(e.value) == (f"the mirror at {server.url} answered HTTP {status} to /v1/info "
                             f"({said}), which a 'mountfs serve-mirror' receiver never does: "
                             f"check the URL (and any proxy in front of it)")
+
+
+def test_ctrl_c_while_a_command_waits_on_a_mirror_is_one_line_and_130(tmp_path):
+    """click's own answer to Ctrl-C was "Aborted!" and status 1, which for `verify` means
+    "the mirror differs". Here verify waits on a mirror that never answers."""
+    from conftest import as_typed_at_a_terminal, cli
+    cli("mountfs", "mkfs", tmp_path / "store")
+    token = tmp_path / "token"
+    token.write_text("token\n")
+    token.chmod(0o600)
+    server = SlowServer(silent)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cmdline.snapctl", "--store", str(tmp_path / "store"), "verify",
+         "--mirror", server.url, "--token-file", str(token)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=as_typed_at_a_terminal)
+    assert server.asked.wait(60)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, "snapctl: interrupted\n"), (out, err)
