@@ -391,6 +391,15 @@ def _disconnected(mountpoint: str) -> bool:
     return False
 
 
+def _if_a_store(path: str, known: list[MountInfo]) -> str:
+    """For ``umount STORE``: where that store is mounted, if it is one ("" if not)."""
+    store = canonical(path, known)
+    at = next((m.mountpoint for m in known if canonical(m.store, known) == store), None)
+    if at is not None:
+        return f" but a store, mounted at {at}: run 'mountfs umount {at}'"
+    return " (it is no mountpoint; 'mount | grep mountfs' lists the mounts)"
+
+
 def umount(mountpoint: str, timeout: float = 120.0) -> None:
     """Unmount, then wait until the process that served this mountpoint has flushed, closed
     the store and exited: once this returns the store is free (fsck, another mount)."""
@@ -398,7 +407,7 @@ def umount(mountpoint: str, timeout: float = 120.0) -> None:
     given, mountpoint = mountpoint, canonical(mountpoint, known)
     info = next((m for m in known if m.mountpoint == mountpoint), None)
     if info is None:
-        raise StoreError(f"{given} is not a mountfs mount")
+        raise StoreError(f"{given} is not a mountfs mount{_if_a_store(given, known)}")
     server = _server(info)
     dead = not _alive(server) and _disconnected(mountpoint)
     cmd = ["fusermount3", "-u"] + (["-z"] if dead else []) + [mountpoint]

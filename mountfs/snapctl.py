@@ -90,9 +90,13 @@ def resolve_target(mountpoint: str | None, store: str | None) -> Target:
     info = find_mount(where)            # first: a stat of a stopped mount would hang
     if info is None and not os.path.exists(where):
         raise StoreError(f"{where} does not exist; -m takes the filesystem's mountpoint")
-    if info is None:
-        raise StoreError(f"{where} is not in a mountfs filesystem; use -m MOUNTPOINT or "
+    if info is None and mountpoint:
+        raise StoreError(f"{where} is not a mounted mountfs filesystem: mount it first "
+                         f"('mountfs mount STORE {where}'), or name the store itself with "
                          f"--store STORE")
+    if info is None:
+        raise StoreError(f"the current directory {where} is not in a mountfs filesystem; "
+                         f"pass -m MOUNTPOINT, or --store STORE for an unmounted store")
     return Target(info.store, info.mountpoint)
 
 

@@ -532,12 +532,17 @@ def lock_holder(path: str | os.PathLike) -> str | None:
 def _way_out(holder: str) -> str:
     """What to do about the holder of the lock, when it is a mount (its text ends
     'mounted at MOUNTPOINT'): fsck or promote wants it unmounted, most else works through
-    it."""
+    it; when it is a mirror's receiver, its snapshots can be read through a read-only
+    mount meanwhile."""
     _, found, mountpoint = holder.partition(" mounted at ")
-    if not found:
-        return ""
-    return (f": unmount it first ('mountfs umount {mountpoint}'), or work through the mount "
-            f"('snapctl -m {mountpoint} ...')")
+    if found:
+        return (f": unmount it first ('mountfs umount {mountpoint}'), or work through the "
+                f"mount ('snapctl -m {mountpoint} ...')")
+    if "serving a mirror" in holder:
+        return (": stop that serve-mirror first, or read the mirror meanwhile through a "
+                "read-only mount ('mountfs mount --read-only STORE DIR', then 'snapctl -m "
+                "DIR list')")
+    return ""
 
 
 def _holder_of(fd: int) -> str:

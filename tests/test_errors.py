@@ -95,6 +95,14 @@ def test_mount_refuses_missing_mountpoints(store, tmp_path):
     assert not (tmp_path / "no-mnt").exists()
 
 
+def test_umount_of_a_store_names_where_it_is_mounted(make_mount):
+    """`mountfs umount STORE` (not its mountpoint), as mount and fsck name the mountpoint."""
+    m = make_mount()
+    fails_clearly("mountfs", "umount", m.store,
+                  contains=f"{m.store} is not a mountfs mount but a store, mounted at {m.mnt}: "
+                           f"run 'mountfs umount {m.mnt}'")
+
+
 def test_umount_refuses_what_is_not_a_mountfs_mount(tmp_path):
     (tmp_path / "plain").mkdir()
     fails_clearly("mountfs", "umount", tmp_path / "plain", contains="is not a mountfs mount")
@@ -255,8 +263,14 @@ def test_a_store_of_another_format_is_refused_naming_both_versions(store, tmp_pa
 # ---- snapctl ----------------------------------------------------------------------------------
 
 def test_snapctl_outside_any_mountfs_mount(tmp_path):
-    fails_clearly("snapctl", "-m", tmp_path, "list", contains="not in a mountfs filesystem")
-    fails_clearly("snapctl", "create", "x", cwd=tmp_path, contains="not in a mountfs filesystem")
+    """-m given a directory nothing is mounted on says to mount it (it was told to use the
+    -m it had used); from a directory outside any mount, to pass -m or --store."""
+    fails_clearly("snapctl", "-m", tmp_path, "list",
+                  contains=f"{tmp_path} is not a mounted mountfs filesystem: mount it first "
+                           f"('mountfs mount STORE {tmp_path}')")
+    fails_clearly("snapctl", "create", "x", cwd=tmp_path,
+                  contains=f"the current directory {tmp_path} is not in a mountfs filesystem; "
+                           f"pass -m MOUNTPOINT")
 
 
 def test_unknown_commands_and_options_are_one_line(mounted):

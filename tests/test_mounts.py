@@ -291,7 +291,9 @@ def test_umount_through_a_symlink_detaches_a_mount_whose_process_was_killed(
     cli("mountfs", "umount", link)
     fsck_clean(store)
     res = cli("mountfs", "umount", link, check=False)
-    assert res.returncode == 1 and res.stderr.strip() == f"mountfs: {link} is not a mountfs mount"
+    assert res.returncode == 1 and res.stderr.strip() == (
+        f"mountfs: {link} is not a mountfs mount (it is no mountpoint; 'mount | grep mountfs' "
+        f"lists the mounts)")
 
 
 def test_umount_of_a_mount_whose_process_is_stopped_returns(make_mount):

@@ -23,7 +23,7 @@ from replicator.cycle import replicate
 from replicator.mirror import MirrorError
 from replicator.server import compress_json
 
-from conftest import ADMIN_TOKEN, TOKEN, Mount, Receiver, free_port
+from conftest import ADMIN_TOKEN, TOKEN, Mount, Receiver, cli, free_port
 from test_replicate import assert_mirror_equals, churn, populate, staged_count, tamper
 
 def send(m: Mount, url: str, snapshot: str, token=TOKEN, ca_file=None, **kw):
@@ -308,3 +308,15 @@ def descendants(root: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def test_reading_a_served_mirrors_store_says_how(receiver):
+    """`snapctl --store MIRROR list` while serve-mirror holds the store said only that a
+    store has one writer at a time, though list only reads: it now says how to read it."""
+    r = receiver()
+    res = cli("snapctl", "--store", r.store, "list", check=False)
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.strip().endswith(
+        "a store has only one writer at a time: stop that serve-mirror first, or read the "
+        "mirror meanwhile through a read-only mount ('mountfs mount --read-only STORE DIR', "
+        "then 'snapctl -m DIR list')"), res.stderr

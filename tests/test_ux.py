@@ -49,16 +49,19 @@ def test_a_check_that_cannot_run_is_unknown(tmp_path):
     assert "cannot read" in res.stdout
 
 
-def test_status_and_check_refuse_store_instead_of_ignoring_it(tmp_path):
-    """They report a mount or a config's filesystems; a --store was silently dropped."""
-    store = tmp_path / "store"
-    for args, rc, out in ((("status",), 2, "stderr"), (("check",), 3, "stdout")):
-        res = cli("snapctl", "--store", store, *args, check=False)
-        text = getattr(res, out).strip()
-        assert res.returncode == rc and "\n" not in text, res
-        assert text.endswith(f"--store does not apply to status and check, which report "
-                             f"mounted filesystems: use -m MOUNTPOINT (where {store} is "
-                             f"mounted) or --config FILE"), text
+def test_status_and_check_refuse_store_instead_of_ignoring_it(make_mount, tmp_path):
+    """They report a mount or a config's filesystems; a --store was silently dropped. The
+    refusal names where the store is mounted, or says that it is not."""
+    m = make_mount()
+    for store, where in ((tmp_path / "store", "mount it and pass -m MOUNTPOINT (it is not "
+                                              "mounted now)"),
+                         (m.store, f"-m {m.mnt}, where it is mounted")):
+        for args, rc, out in ((("status",), 2, "stderr"), (("check",), 3, "stdout")):
+            res = cli("snapctl", "--store", store, *args, check=False)
+            text = getattr(res, out).strip()
+            assert res.returncode == rc and "\n" not in text, res
+            assert text.endswith(f"--store does not apply to status and check, which report "
+                                 f"mounted filesystems: use {where}, or --config FILE"), text
 
 
 # ---- 7 and 10: failed replicates leave nothing behind and say one line -------------------
