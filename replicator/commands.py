@@ -123,7 +123,8 @@ def _take_snapshot(where) -> str:
 @click.option("--to", "--mirror", "mirror_url", required=True, metavar="MIRROR_URL",
               help="file:///path/to/store, or http(s)://host:port (serve-mirror).")
 @click.option("--snapshot", "name", help="Send this snapshot (default: take one of the live "
-              "tree now, named repl-YYYYmmddTHHMMSS.ffffffZ; removed again if the run fails).")
+              "tree now, named repl-YYYYmmddTHHMMSS.ffffffZ; removed again if the run fails, "
+              "or by a later run once no mirror holds it as its base).")
 @click.option("--force", is_flag=True,
               help="If the mirror changed since the base, roll it back to the base; if "
               "MIRROR_URL is a store with files of its own (not a mirror, not fresh from "
@@ -187,6 +188,38 @@ def replicate(ctx, mirror_url, name, force, spark_master, token_file, ca_file, b
         fail(f"transfer failed: {e}")
     click.echo(json.dumps(result.to_json()) if as_json else result.summary())
     _done_whatever_comes()
+    removed = _drop_earlier_runs(where, name)
+    if removed and not as_json:
+        click.echo(f"removed {len(removed)} snapshot(s) of earlier runs that no mirror holds "
+                   f"as its base any more")
+
+
+def _drop_earlier_runs(where: snapctl.Target, sent: str) -> list[str]:
+    """The repl- snapshots of earlier runs, older than the one just sent, that no mirror
+    holds as its base: they were only the means of sending (syncoid's rule), and would pile
+    up, each pinning what it held. A base is kept (deleting it needs --force), as is a
+    snapshot a program is reading; a user's own snapshots are never touched."""
+    if not where.mounted:
+        return []
+    from mountfs.snapnames import is_stamped
+    names = [s["name"] for s in _snapshots_of(where)]
+    older = names[:names.index(sent)] if sent in names else []
+    removed = []
+    for name in older:
+        if is_stamped(name, "repl-"):
+            try:
+                snapctl.delete_snapshot(where, name)
+                removed.append(name)
+            except StoreError:
+                pass                  # a base, or being read: kept, as it should be
+    return removed
+
+
+def _snapshots_of(where: snapctl.Target) -> list[dict]:
+    """The mounted filesystem's snapshots, oldest first."""
+    from mountfs import control
+    return control.request(where.store, {"op": "list"},
+                           mountpoint=where.mountpoint)["snapshots"]
 
 
 def _refused(e: BaseException) -> bool:

@@ -137,6 +137,30 @@ def test_a_replicate_another_one_beat_to_the_mirror_says_so(mounted, tmp_path):
     assert replicate(m, f"file://{mirror}").returncode == 0      # which works
 
 
+def test_replicate_removes_its_earlier_snapshots_that_no_mirror_needs(mounted, tmp_path):
+    """Every run takes a repl- snapshot; they piled up (prune keeps them as "made by a
+    user"), each pinning what it held. A run now removes those of earlier runs that no
+    mirror holds as its base: with two mirrors, each one's base stays; a user's own
+    snapshots, and a name that only looks like the form, are never touched."""
+    m = mounted
+    m.snapctl("create", "mine")
+    m.snapctl("create", "repl-manual")
+    names = []
+    for i, mirror in enumerate(["a", "a", "b", "a"]):
+        (m.mnt / "f").write_text(str(i))
+        res = replicate(m, f"file://{tmp_path}/{mirror}", "--json")
+        assert res.returncode == 0, res.stderr
+        names.append(json.loads(res.stdout)["snapshot"])
+    # a's bases were names[0], then [1], then [3]; b's is names[2]
+    assert snapshots(m) == ["mine", "repl-manual", names[2], names[3]]
+    (m.mnt / "f").write_text("last")
+    res = replicate(m, f"file://{tmp_path}/b")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == ("removed 1 snapshot(s) of earlier runs that no "
+                                           "mirror holds as its base any more")
+    assert snapshots(m)[:3] == ["mine", "repl-manual", names[3]] and len(snapshots(m)) == 4
+
+
 def test_replicates_started_together_take_distinct_snapshots(mounted, tmp_path):
     m = mounted
     (m.mnt / "f").write_text("x")
