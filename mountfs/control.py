@@ -352,13 +352,16 @@ def _uuid(text: str) -> bytes:
 
 
 def _message(e: Exception, store) -> str:
-    """A refusal in one line; a full disk says whose, and what gives room."""
+    """A refusal in one line; a full disk says whose, and what gives room; an error that
+    says why (a writer process that died: remount) says it."""
     from .namespace import FsError
     if isinstance(e, FsError):
         if e.errno == errno.ENOSPC:
             return (f"no space left on the disk of the store {store}: free some there, or "
                     f"delete files or snapshots ('snapctl delete NAME') of this store")
-        return os.strerror(e.errno)
+        why = e.args[1] if len(e.args) > 1 else ""
+        plain = os.strerror(e.errno)
+        return plain if why in ("", errno.errorcode.get(e.errno)) else f"{plain}: {why}"
     return str(e)
 
 

@@ -298,6 +298,9 @@ def restore_target(path: str, dest: str, src_kind: str, kind_of, force: bool
     a whole tree, or put one where a file was, by a slip of the path. The same rule serves
     ``restore --from``."""
     name = os.path.basename(os.path.normpath("/" + path))
+    if os.path.normpath("/" + dest).split("/")[1] == ".snapshot":
+        raise SnapshotError(f"{dest!r} is inside .snapshot, whose snapshots never change: "
+                            f"restore into the live tree (--to PATH outside .snapshot)")
     if dest.endswith("/"):
         if kind_of(dest) != "directory":
             raise SnapshotError(f"{dest!r} is not an existing directory; create it first, or "

@@ -79,13 +79,23 @@ def _call(client: httpx.Client, method: str, path: str, body: bytes | None = Non
             if deadline.why is not None:
                 raise MirrorUnreachable(f"the mirror at {client.base_url}: {deadline.why}") \
                     from None
-            raise MirrorUnreachable(f"cannot reach the mirror at {client.base_url}: {e}") \
-                from None
+            raise MirrorUnreachable(f"cannot reach the mirror at {client.base_url}: "
+                                    f"{e}{_tls_hint(e)}") from None
     if res.status_code == 401:
         raise MirrorError(f"the mirror at {client.base_url} refused the token (401)")
     if not 200 <= res.status_code < 300:
         raise _refusal(client.base_url, path, res)
     return res
+
+
+def _tls_hint(e: httpx.HTTPError) -> str:
+    """What to do about the two TLS failures a user meets first."""
+    if "CERTIFICATE_VERIFY_FAILED" in str(e):
+        return ("; the mirror's certificate is not one this host trusts: for a self-signed "
+                "receiver pass --ca-file (ca_file in mountfsd's config) with its certificate")
+    if "WRONG_VERSION_NUMBER" in str(e):
+        return "; the receiver does not speak TLS there: is it served over http:// ?"
+    return ""
 
 
 def _refusal(url, path: str, res: httpx.Response) -> MirrorError:

@@ -150,8 +150,12 @@ def test_https_with_a_self_signed_certificate(spark, mounted, receiver, tmp_path
     r = receiver(tls=(cert, key))
     (mounted.mnt / "f").write_text("over tls")
     mounted.snapctl("create", "s1")
-    with pytest.raises(MirrorError, match="cannot reach"):      # unknown CA: refused
+    with pytest.raises(MirrorError, match="cannot reach.*CERTIFICATE_VERIFY_FAILED.*for a "
+                       "self-signed receiver pass --ca-file"):      # unknown CA: refused
         send(mounted, r.url, "s1")
+    with pytest.raises(MirrorError, match="does not speak TLS there: is it served over "
+                       "http://"):                                  # https:// to plain http
+        send(mounted, f"https://127.0.0.1:{receiver(store=tmp_path / 'plain').port}", "s1")
     assert send(mounted, r.url, "s1", ca_file=str(cert)).bytes_sent == len("over tls")
     info = HttpMirror(r.url, TOKEN, ca_file=str(cert)).info()
     assert [s["name"] for s in info["snapshots"]] == ["s1"]

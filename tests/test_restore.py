@@ -194,6 +194,10 @@ def test_restore_errors(fs, here):
             "cannot restore over the root by path; use 'snapctl restore NAME' to roll the "
             "whole tree back")
     refused(restore(fs, "err", "--to", "x", check=False), "--to needs a PATH to restore")
+    for into in (".snapshot/", ".snapshot/err/x", "./.snapshot"):   # was "create it first"
+        refused(restore(fs, "err", p, "--to", into, check=False),
+                f"{into!r} is inside .snapshot, whose snapshots never change: restore into "
+                f"the live tree (--to PATH outside .snapshot)")
     assert os.listdir(here) == ["f"]
 
 

@@ -140,6 +140,10 @@ def test_a_writer_killed_alone_fails_changes_and_the_log_says_why(make_mount):
         (m.mnt / "d" / "new").mkdir()
     assert err.value.errno == errno.EIO
     assert "exited (killed by signal 9)" in m.log() and "remount" in m.log()
+    res = m.snapctl("create", "k", check=False)   # said only "Input/output error"
+    assert res.returncode == 1 and res.stderr.strip() == (
+        "snapctl: Input/output error: the writer process exited (killed by signal 9); "
+        "remount the filesystem"), res.stderr
     time.sleep(2.5 * SYNC_INTERVAL)         # the background tasks meet the failure too
     assert (m.mnt / "d" / "kept").read_bytes() == b"fsynced"    # reads go on
     m.umount()
