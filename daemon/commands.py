@@ -16,6 +16,7 @@ from mountfs.clitools import CONTEXT, DURATION, fail, mountpoint_option, target_
 from mountfs.mount import canonical, find_mount, mounts
 from mountfs.snapnames import DAEMON_PREFIX, is_stamped
 from mountfs.store import StoreError
+from mountfs.units import counted, human_bytes
 
 from . import config as config_mod
 from .status import daemon_alive, read_state, state_path, store_figures
@@ -102,8 +103,8 @@ def _ago(ns: int | None) -> str:
 
 def _mirror_line(url: str, m: dict) -> str:
     lag = "never replicated" if m["lag_seconds"] is None else f"lag {m['lag_seconds']:.0f} s"
-    return (f"  {url}: base {m['base']}, {lag}, pending {m['pending_bytes']} bytes in "
-            f"{m['pending_snapshots']} snapshot(s)")
+    return (f"  {url}: base {m['base']}, {lag}, pending {human_bytes(m['pending_bytes'])} in "
+            f"{counted(m['pending_snapshots'], 'snapshot')}")
 
 
 @click.command(context_settings=CONTEXT)

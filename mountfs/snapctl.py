@@ -23,7 +23,7 @@ from .clitools import (CONTEXT, MOUNTPOINT, LazyGroup, escaped, fail, padded,
                        target_options, version_option)
 from .mount import find_mount
 from .errors import StoreError
-from .units import human_bytes
+from .units import counted, human_bytes
 
 
 class Target:
@@ -406,7 +406,7 @@ def restore(ctx, name, path, dest, force):
         if path is None:
             reply = _rollback(where, name, force)
             click.echo(f"rolled back to {escaped(name)} "
-                       f"({_count(reply['changed_inodes'], 'inode')} changed)")
+                       f"({counted(reply['changed_inodes'], 'inode')} changed)")
             return
         src = where.fs_path(path)
         reply = _restore_path(where, name, src, where.dest_path(dest) if dest else src, force)
@@ -414,14 +414,10 @@ def restore(ctx, name, path, dest, force):
         fail(str(e))
     dest = escaped(reply["dest"])
     replaced = "" if reply["replaced"] is None else f"; replaced ./{dest}" + (
-        f" ({_count(reply['replaced_entries'], 'entry', 'entries')})"
+        f" ({counted(reply['replaced_entries'], 'entry', 'entries')})"
         if reply["replaced"] == "directory" else "")
     click.echo(f"restored ./{escaped(src)} from {escaped(name)} to ./{dest} "
-               f"({_count(reply['copied'], 'inode')}){replaced}")
-
-
-def _count(n: int, one: str, many: str | None = None) -> str:
-    return f"{n} {one if n == 1 else many or one + 's'}"
+               f"({counted(reply['copied'], 'inode')}){replaced}")
 
 
 def _rollback(where: Target, name: str, force: bool) -> dict:

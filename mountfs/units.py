@@ -114,3 +114,8 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+def counted(n: int, one: str, many: str | None = None) -> str:
+    """``n`` and the noun it counts: "1 chunk", "2 chunks", "3 entries"."""
+    return f"{n} {one if n == 1 else many or one + 's'}"

@@ -30,6 +30,7 @@ import blake3
 from mountfs import schema as S
 from mountfs import snapshots as snaps
 from mountfs.store import Store, StoreError
+from mountfs.units import counted
 
 from . import changeset, transfer
 from .mirror import MirrorError, SnapshotRef, not_a_mirror, overwrites
@@ -66,10 +67,11 @@ class CycleResult:
             return (f"{self.snapshot} is already on the mirror: nothing sent, its base "
                     f"stays {self.hold} ({self.seconds:.2f} s)")
         base = f"from {self.base}" if self.base else "full copy"
-        return (f"replicated {self.snapshot} ({base}): {self.entries} names and "
-                f"{self.inodes} inodes changed, "
-                f"{self.chunks_sent} chunks sent ({self.bytes_sent} bytes), "
-                f"{self.bytes_skipped} bytes not sent (already on the mirror), "
+        return (f"replicated {self.snapshot} ({base}): {counted(self.entries, 'name')} and "
+                f"{counted(self.inodes, 'inode')} changed, "
+                f"{counted(self.chunks_sent, 'chunk')} sent "
+                f"({counted(self.bytes_sent, 'byte')}), "
+                f"{counted(self.bytes_skipped, 'byte')} not sent (already on the mirror), "
                 f"{self.seconds:.2f} s")
 
 
