@@ -142,7 +142,8 @@ class FileCache:
         self.dirty_bytes = 0
         self.flushed = trio.Event()
         self.nursery: trio.Nursery | None = None   # set by the mount for background flushes
-        self.thawed: trio.Event | None = None      # while frozen, new writes wait for it
+        self.thawed: trio.Event | None = None      # while held, new writes wait for it
+        self.holds = 0                             # holds (``hold``) not yet thawed
         self.writers = 0                           # writes past the gate, not yet returned
         self.no_writers = trio.Event()
 
@@ -185,19 +186,37 @@ class FileCache:
             if self.writers == 0:
                 self.no_writers.set()
 
+    async def hold(self) -> None:
+        """Hold new writes and let those in progress return, until ``thaw`` (one per
+        hold: a snapshot and a rollback may hold at once)."""
+        self.holds += 1
+        if self.thawed is None:
+            self.thawed = trio.Event()
+        try:
+            while self.writers:
+                self.no_writers = trio.Event()
+                await self.no_writers.wait()
+        except BaseException:
+            self.thaw()
+            raise
+
     async def freeze(self) -> None:
         """Hold new writes, let those in progress return, and commit everything buffered: a
-        snapshot taken before ``thaw`` then holds exactly the writes that have returned."""
-        self.thawed = trio.Event()
-        while self.writers:
-            self.no_writers = trio.Event()
-            await self.no_writers.wait()
-        await self.flush_all()
+        snapshot taken before ``thaw`` then holds exactly the writes that have returned.
+        Thawed again if the commit fails."""
+        await self.hold()
+        try:
+            await self.flush_all()
+        except BaseException:
+            self.thaw()
+            raise
 
     def thaw(self) -> None:
-        thawed, self.thawed = self.thawed, None
-        if thawed is not None:
-            thawed.set()
+        self.holds -= 1
+        if self.holds == 0:
+            thawed, self.thawed = self.thawed, None
+            if thawed is not None:
+                thawed.set()
 
     async def _write(self, of: OpenFile, off: int, buf: bytes) -> int:
         if of.error is not None:
