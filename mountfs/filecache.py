@@ -10,6 +10,7 @@ that two versions of one chunk can never commit out of order.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -176,7 +177,7 @@ class FileCache:
     # ---- writing ---------------------------------------------------------------------------
 
     async def write(self, of: OpenFile, off: int, buf: bytes) -> int:
-        while self.thawed is not None:            # a snapshot is being taken
+        while self.thawed is not None:            # a snapshot or a rollback is being taken
             await self.thawed.wait()
         self.writers += 1
         try:
@@ -217,6 +218,34 @@ class FileCache:
             thawed, self.thawed = self.thawed, None
             if thawed is not None:
                 thawed.set()
+
+    async def lock_all(self, stack: contextlib.AsyncExitStack, locked: set[OpenFile]) -> None:
+        """Take the commit lock of every open file not in ``locked`` (adding it there) until
+        ``stack`` closes: no commit or truncation of theirs runs meanwhile, nor starts."""
+        while todo := [of for of in self.files.values() if of not in locked]:
+            for of in todo:
+                await stack.enter_async_context(of.lock)
+                locked.add(of)
+
+    def rolled_back(self, files: set[OpenFile], records: dict[int, S.Inode | None]
+                    ) -> set[int]:
+        """After a rollback of the store, for ``files``, whose locks were held across it
+        with writes held (``records``: theirs, read after it): each becomes what the store
+        holds. Its buffered writes go unwritten: they were all made after the newest
+        snapshot (taking one commits them), so after the one rolled back to, whose rollback
+        discards them with the rest. Its size and mtime are the rolled-back record's (0 for
+        a file the rollback deleted). Returns the files whose size, mtime or content the
+        kernel may have been shown otherwise (pages filled from the buffers, attributes)."""
+        changed = set()
+        for of in files:
+            rec = records.get(of.ino)
+            size = rec.size if rec is not None else 0
+            if of.dirty or of.mtime_ns is not None or of.size != size:
+                changed.add(of.ino)
+            for idx in list(of.dirty):
+                self._drop_dirty(of, idx)
+            of.size, of.mtime_ns, of.error = size, None, None
+        return changed
 
     async def _write(self, of: OpenFile, off: int, buf: bytes) -> int:
         if of.error is not None:
