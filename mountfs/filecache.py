@@ -147,6 +147,8 @@ class FileCache:
         self.holds = 0                             # holds (``hold``) not yet thawed
         self.writers = 0                           # writes past the gate, not yet returned
         self.no_writers = trio.Event()
+        self.behind: set[int] = set()              # open files whose size the kernel may
+                                                   # hold from before a rollback (``write``)
 
     # ---- open files ----------------------------------------------------------------------
 
@@ -179,6 +181,13 @@ class FileCache:
     async def write(self, of: OpenFile, off: int, buf: bytes) -> int:
         while self.thawed is not None:            # a snapshot or a rollback is being taken
             await self.thawed.wait()
+        if of.ino in self.behind:
+            # The kernel placed this write (an append: at the size it holds) by the file as
+            # it was before a rollback, which it has not been given yet: a write made
+            # before the rollback, which discards it with the file's other writes since the
+            # snapshot. Answered at once: the kernel gives up a write's inode lock and pages
+            # only with the answer, and telling it needs both (Operations.invalidate).
+            return len(buf)
         self.writers += 1
         try:
             return await self._write(of, off, buf)
