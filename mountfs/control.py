@@ -315,8 +315,7 @@ class ControlServer:
         if op == "forget_mirror":
             return {"ok": True, "dropped": await engine.forget_mirror(req["label"])}
         if op == "rollback":
-            done = await engine.rollback(req["name"], req["force"])
-            await self.ops.invalidate(done.inodes, done.entries)
+            done = await engine.rollback(req["name"], req["force"], self.ops.invalidate)
             return {"ok": True, "changed_inodes": len(done.inodes)}
         if op == "restore":
             done = await engine.restore_path(req["name"], req["path"], req["dest"],

@@ -14,6 +14,7 @@ function and plain arguments): they run in another process.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -77,6 +78,7 @@ class Engine:
             WriterProcess(store, self._on_commit, self._on_ran)
         self._token: trio.lowlevel.TrioToken | None = None
         self.files = FileCache(self)
+        self._rolling = trio.Lock()                 # one rollback at a time
         self._unsynced = False
         self._gc_wakeup = trio.Event()
         self._verified: OrderedDict[bytes, None] = OrderedDict()   # digests checked once
@@ -520,13 +522,42 @@ class Engine:
     async def forget_mirror(self, label: str) -> int:
         return await self.mutate_in_thread(snapshots.drop_holds, label)
 
-    async def rollback(self, name: str, force: bool) -> snapshots.Rollback:
+    async def rollback(self, name: str, force: bool, tell_kernel=None) -> snapshots.Rollback:
+        """Roll the live tree back to snapshot ``name``, the open files with it, and have
+        ``tell_kernel(inodes, entries)`` (Operations.invalidate) tell the kernel what
+        changed behind its back before this returns. Writes are held and every open file's
+        commit lock taken across the rollback, so that no write, commit or truncation of
+        an open file crosses it; then each open file takes its rolled-back record, its
+        buffered writes dropped (``FileCache.rolled_back``). Without ``force``, everything
+        buffered is committed first, so that the rollback refuses to lose it. Until the
+        kernel holds the new size of an open file the rollback changed, it places writes
+        to the file by the old one: they are dropped, as made before the rollback
+        (``FileCache.behind``, which ``tell_kernel`` empties)."""
         snap = self.snapshot(name)
-        await self.files.flush_all()
-        done = await self.mutate_in_thread(snapshots.rollback, self.chunk_size, snap,
-                                           force)
-        for ino in done.inodes:
-            self.files.forget_dirty(ino)
+        files = self.files
+        async with self._rolling:
+            await files.hold()
+            try:
+                if not force:
+                    await files.flush_all()
+                locked: set = set()
+                async with contextlib.AsyncExitStack() as stack:
+                    await files.lock_all(stack, locked)
+                    done = await self.mutate_in_thread(snapshots.rollback, self.chunk_size,
+                                                       snap, force)
+                    await files.lock_all(stack, locked)        # files opened meanwhile
+                    inos = [of.ino for of in locked]
+                    records = await self.look(lambda v: {ino: v.inode(ino) for ino in inos},
+                                              marks=inos)
+                    done.inodes |= files.rolled_back(locked, records)
+                files.behind = {of.ino for of in locked} & done.inodes
+            finally:
+                files.thaw()
+            try:
+                if tell_kernel is not None:
+                    await tell_kernel(done.inodes, done.entries)
+            finally:
+                files.behind.clear()
         await self.sync()
         self._gc_wakeup.set()
         return done

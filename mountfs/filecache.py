@@ -10,6 +10,7 @@ that two versions of one chunk can never commit out of order.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -142,9 +143,12 @@ class FileCache:
         self.dirty_bytes = 0
         self.flushed = trio.Event()
         self.nursery: trio.Nursery | None = None   # set by the mount for background flushes
-        self.thawed: trio.Event | None = None      # while frozen, new writes wait for it
+        self.thawed: trio.Event | None = None      # while held, new writes wait for it
+        self.holds = 0                             # holds (``hold``) not yet thawed
         self.writers = 0                           # writes past the gate, not yet returned
         self.no_writers = trio.Event()
+        self.behind: set[int] = set()              # open files whose size the kernel may
+                                                   # hold from before a rollback (``write``)
 
     # ---- open files ----------------------------------------------------------------------
 
@@ -175,8 +179,15 @@ class FileCache:
     # ---- writing ---------------------------------------------------------------------------
 
     async def write(self, of: OpenFile, off: int, buf: bytes) -> int:
-        while self.thawed is not None:            # a snapshot is being taken
+        while self.thawed is not None:            # a snapshot or a rollback is being taken
             await self.thawed.wait()
+        if of.ino in self.behind:
+            # The kernel placed this write (an append: at the size it holds) by the file as
+            # it was before a rollback, which it has not been given yet: a write made
+            # before the rollback, which discards it with the file's other writes since the
+            # snapshot. Answered at once: the kernel gives up a write's inode lock and pages
+            # only with the answer, and telling it needs both (Operations.invalidate).
+            return len(buf)
         self.writers += 1
         try:
             return await self._write(of, off, buf)
@@ -185,19 +196,65 @@ class FileCache:
             if self.writers == 0:
                 self.no_writers.set()
 
+    async def hold(self) -> None:
+        """Hold new writes and let those in progress return, until ``thaw`` (one per
+        hold: a snapshot and a rollback may hold at once)."""
+        self.holds += 1
+        if self.thawed is None:
+            self.thawed = trio.Event()
+        try:
+            while self.writers:
+                self.no_writers = trio.Event()
+                await self.no_writers.wait()
+        except BaseException:
+            self.thaw()
+            raise
+
     async def freeze(self) -> None:
         """Hold new writes, let those in progress return, and commit everything buffered: a
-        snapshot taken before ``thaw`` then holds exactly the writes that have returned."""
-        self.thawed = trio.Event()
-        while self.writers:
-            self.no_writers = trio.Event()
-            await self.no_writers.wait()
-        await self.flush_all()
+        snapshot taken before ``thaw`` then holds exactly the writes that have returned.
+        Thawed again if the commit fails."""
+        await self.hold()
+        try:
+            await self.flush_all()
+        except BaseException:
+            self.thaw()
+            raise
 
     def thaw(self) -> None:
-        thawed, self.thawed = self.thawed, None
-        if thawed is not None:
-            thawed.set()
+        self.holds -= 1
+        if self.holds == 0:
+            thawed, self.thawed = self.thawed, None
+            if thawed is not None:
+                thawed.set()
+
+    async def lock_all(self, stack: contextlib.AsyncExitStack, locked: set[OpenFile]) -> None:
+        """Take the commit lock of every open file not in ``locked`` (adding it there) until
+        ``stack`` closes: no commit or truncation of theirs runs meanwhile, nor starts."""
+        while todo := [of for of in self.files.values() if of not in locked]:
+            for of in todo:
+                await stack.enter_async_context(of.lock)
+                locked.add(of)
+
+    def rolled_back(self, files: set[OpenFile], records: dict[int, S.Inode | None]
+                    ) -> set[int]:
+        """After a rollback of the store, for ``files``, whose locks were held across it
+        with writes held (``records``: theirs, read after it): each becomes what the store
+        holds. Its buffered writes go unwritten: they were all made after the newest
+        snapshot (taking one commits them), so after the one rolled back to, whose rollback
+        discards them with the rest. Its size and mtime are the rolled-back record's (0 for
+        a file the rollback deleted). Returns the files whose size, mtime or content the
+        kernel may have been shown otherwise (pages filled from the buffers, attributes)."""
+        changed = set()
+        for of in files:
+            rec = records.get(of.ino)
+            size = rec.size if rec is not None else 0
+            if of.dirty or of.mtime_ns is not None or of.size != size:
+                changed.add(of.ino)
+            for idx in list(of.dirty):
+                self._drop_dirty(of, idx)
+            of.size, of.mtime_ns, of.error = size, None, None
+        return changed
 
     async def _write(self, of: OpenFile, off: int, buf: bytes) -> int:
         if of.error is not None:

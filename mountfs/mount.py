@@ -195,6 +195,7 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
                              f"writable source")
         engine = Engine(store)
         ops = Operations(engine, read_only=read_only)
+        ops.mountpoint = mountpoint
         options = set(pyfuse3.default_options)
         options |= {_fsname(store.path), "subtype=mountfs"}
         if allow_other:

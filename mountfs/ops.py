@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import stat
+import threading
 import time
 
 import pyfuse3
@@ -48,6 +49,7 @@ BLKSIZE = 128 << 10
 ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
 CAPABILITY = b"security.capability"
 CAPABILITY_MEMORY = 1 << 16     # inodes remembered without one, at most
+PATH_DEPTH = 2048                # names in a path at most (PATH_MAX is 4096 bytes)
 
 
 def guard(fn):
@@ -95,6 +97,8 @@ class Operations(pyfuse3.Operations):
         self.next_fh = 1
         self.timeout = READONLY_TIMEOUT if read_only else LIVE_TIMEOUT
         self.initialized = trio.Event()     # the kernel's INIT is answered (``init``)
+        self.mountpoint: str | None = None  # where the kernel shows us (set by the mount)
+        self.refresher: int | None = None   # the thread of ``invalidate``'s chowns
         # Live inodes known to have no security.capability: the kernel asks before every
         # write (to drop capabilities), and the answer is almost always "none". Forgotten
         # on any xattr change of the inode and on a rollback or restore; a read-only mount
@@ -313,6 +317,19 @@ class Operations(pyfuse3.Operations):
 
     @guard
     async def setattr(self, inode, attr, fields, fh, ctx):
+        behind = self.engine.files.behind
+        if inode in behind and ctx.pid == self.refresher:
+            # ``invalidate``'s chown(-1, -1): it changes nothing, not even the set-id bits
+            # the kernel asks to clear on a chown
+            attrs = await self._attrs_of(inode)
+        else:
+            attrs = await self._setattr(inode, attr, fields)
+        # The kernel sent this holding the inode's lock and takes the size answered: the
+        # writes that follow are placed by it (what a rollback's ``invalidate`` waits for).
+        behind.discard(inode)
+        return attrs
+
+    async def _setattr(self, inode, attr, fields) -> pyfuse3.EntryAttributes:
         self._writable(inode)
         if fields.update_size and attr.st_size > self.max_size:
             raise FsError(errno.EFBIG)
@@ -860,27 +877,77 @@ class Operations(pyfuse3.Operations):
     # ---- used by the control server after a rollback or restore ----------------------------
 
     async def invalidate(self, inodes, entries) -> None:
-        """Tell the kernel that entries and inodes changed behind its back."""
+        """Tell the kernel that entries and inodes changed behind its back, before the
+        caller answers: it forgets the names (``invalidate_entry``, not its ``_async``
+        form, which may come after the answer: a path opened right after it would find
+        the old file), and the attributes and pages of the inodes it holds.
+
+        Forgotten attributes are asked for again by a stat or a path's permission check,
+        but the size of an open file, which places every O_APPEND write, stays until then,
+        and a program holding the file (a logger, ``tail -f``) need do neither; nor would
+        the answer to a GETATTR be taken while a write that extends the file is in flight.
+        So the open files a rollback changed (``FileCache.behind``, whose writes are
+        dropped meanwhile) are each given a SETATTR through the mount, by their path in
+        the store (``chown(path, -1, -1)``, from this thread: it needs no permission on
+        the file, and ``setattr`` answers it changing nothing, not even the set-id bits
+        the kernel asks to clear): the kernel sends it holding the inode's lock, which
+        orders it with the writes, and takes the size answered (``setattr`` then takes the
+        file out of ``behind``); then their pages, some maybe filled by the dropped writes,
+        are dropped again. A file without a path there (unlinked, or under a directory
+        the mount's user may not search) keeps the kernel's old size until asked."""
         self.no_capability.clear()
-        for parent, name in entries:
-            if parent in self.lookups or parent == S.ROOT_INO:
-                pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
-        await self._drop_kernel_caches(inodes)
+        names = [(parent, name) for parent, name in entries
+                 if parent in self.lookups or parent == S.ROOT_INO]
+        held = [ino for ino in inodes if ino in self.lookups]
+        behind = [ino for ino in held if ino in self.engine.files.behind]
+        paths = await self._paths(behind)
+
+        def tell():
+            for parent, name in names:
+                try:
+                    pyfuse3.invalidate_entry(parent, name)
+                except OSError:             # not (or no longer) known to the kernel
+                    pass
+            _drop_caches(held)
+            self.refresher = threading.get_native_id()     # what FUSE says is the caller
+            for path in paths:
+                try:
+                    os.chown(path, -1, -1)
+                except OSError:             # gone meanwhile, or a directory we may not search
+                    pass
+            _drop_caches(behind)
+        if names or held:
+            await trio.to_thread.run_sync(tell)
 
     async def _drop_kernel_caches(self, inodes) -> None:
         """Have the kernel forget the attributes and pages of those of ``inodes`` it holds.
-        In a worker thread: dropping pages waits for the lock of a page a READ of ours may
-        still have to answer."""
+        In a worker thread: dropping pages waits for the lock of a page a READ or WRITE of
+        ours may still have to answer."""
         known = [ino for ino in inodes if ino in self.lookups]
-
-        def drop_caches():
-            for ino in known:
-                try:
-                    pyfuse3.invalidate_inode(ino, attr_only=False)
-                except OSError:             # the kernel forgot it meanwhile
-                    pass
         if known:
-            await trio.to_thread.run_sync(drop_caches)
+            await trio.to_thread.run_sync(_drop_caches, known)
+
+    async def _paths(self, inos: list[int]) -> list[bytes]:
+        """A path through the mount to each of the live ``inos`` that has a name (the one
+        its record keeps)."""
+        if not inos or self.mountpoint is None:
+            return []
+        top = os.fsencode(self.mountpoint)
+
+        def paths(v):
+            out = []
+            for ino in inos:
+                names, at = [], ino
+                while at != S.ROOT_INO and len(names) < PATH_DEPTH:
+                    rec = v.inode(at)
+                    if rec is None or not rec.parent:       # deleted or unlinked: no path
+                        break
+                    names.append(rec.name)
+                    at = rec.parent
+                if at == S.ROOT_INO:
+                    out.append(b"/".join([top, *reversed(names)]))
+            return out
+        return await self.engine.look(paths)
 
     def open_in_snapshot(self, snap: S.Snapshot) -> int:
         """How many files and directories of snapshot ``snap`` are open (a backup reading
@@ -893,6 +960,15 @@ class Operations(pyfuse3.Operations):
     def forget_snapshot(self, name: str) -> None:
         pyfuse3.invalidate_entry_async(SNAPDIR_INO, name.encode("utf-8", "surrogateescape"),
                                        ignore_enoent=True)
+
+
+def _drop_caches(inos: list[int]) -> None:
+    """Have the kernel forget the attributes and pages of ``inos`` (in a worker thread)."""
+    for ino in inos:
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=False)
+        except OSError:             # the kernel forgot it meanwhile
+            pass
 
 
 def _orphaned(live, remove, *args) -> list[int]:

@@ -456,6 +456,41 @@ def test_writes_a_full_disk_dropped_leave_stat_and_read_agreeing(small_disk, mak
     m.check_fsck = False
 
 
+def test_a_snapshot_the_full_disk_refuses_does_not_hold_the_writes(small_disk, make_mount):
+    """A snapshot holds new writes while it commits what files buffered; when the disk
+    refuses that commit, the snapshot fails, and the writes must go on. They waited for
+    good: the hold was never released."""
+    store = small_disk / "store"
+    cli("mountfs", "mkfs", store)
+    m = make_mount(store)
+    fd = os.open(m.mnt / "buffered", os.O_WRONLY | os.O_CREAT, 0o644)
+    for i in range(48):                         # chunks one byte short: buffered, not full
+        os.pwrite(fd, os.urandom((1 << 20) - 1), i << 20)
+    fails_clearly("snapctl", "-m", m.mnt, "create", "s1", contains="no space left")
+    writer = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'wb')"
+                               ".write(b'after')", str(m.mnt / "after")])
+    try:
+        writer.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        m.kill9()                   # what ends a write the mount never answers
+        writer.wait()
+        try:
+            os.close(fd)
+        except OSError:             # its mount is gone
+            pass
+        m.check_fsck = False
+        pytest.fail("a write waited for good after a snapshot the disk refused")
+    assert writer.returncode == 0
+    assert (m.mnt / "after").read_bytes() == b"after"
+    with pytest.raises(OSError) as info:
+        os.close(fd)                            # its buffered writes never fitted
+    assert info.value.errno == errno.ENOSPC, info.value
+    os.unlink(m.mnt / "buffered")
+    m.umount()
+    fsck_clean(store)                                    # before the small disk goes away
+    m.check_fsck = False
+
+
 # ---- corruption -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("size", [20_000, 300_000], ids=["small: checked inline",

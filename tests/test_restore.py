@@ -12,13 +12,18 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import blake3
 import pytest
-from conftest import Mount, cli, fsck_clean
+from conftest import Mount, cli, drop_caches, fsck_clean
 from diffapply import tree_state
 from test_snapshots import store_used, take, wait_gc_idle
+
+from mountfs import control
 
 pytestmark = pytest.mark.fuse
 
@@ -125,6 +130,30 @@ def test_restore_a_file_needs_force_over_an_existing_one(fs, here):
     f.unlink()
     restore(fs, "file", str(f))                                  # deleted: no --force needed;
     assert tree_state(here)["f"] == snap_state                   # an absolute path works too
+
+
+def test_restore_over_a_file_a_writer_holds_open(fs, here):
+    """A path restore puts a new file in the name's place, as a rename over it would: the
+    logger holding the old one keeps it (unlinked: its buffered and later writes go there,
+    and away with it), and every open of the name once the restore has answered (the next
+    ``>>`` too) finds the restored file, nothing of the old one."""
+    f = here / "app.log"
+    f.write_bytes(b"one\n")
+    take(fs, "held")
+    h = Holder([f], os.O_RDWR | os.O_APPEND)
+    try:
+        append(f, b"two\n")                                     # committed
+        h.append(0, b"three\n")                                 # buffered in the mount
+        restore(fs, "held", rel(fs, f), "--force")
+        append(f, b"new-line\n")
+        assert f.read_bytes() == b"one\nnew-line\n"
+        assert h.read(0) == b"one\ntwo\nthree\n"
+        h.append(0, b"four\n")
+        assert (h.size(0), h.read(0)) == (19, b"one\ntwo\nthree\nfour\n")
+    finally:
+        h.stop()
+    drop_caches()
+    assert f.read_bytes() == b"one\nnew-line\n"
 
 
 def test_restore_a_tree_in_place(fs, here):
@@ -361,6 +390,171 @@ def test_rollback_with_force_and_what_follows(make_mount):
     m.mount()
     assert tree_state(m.mnt) == live
     assert tree_state(m.mnt / ".snapshot/s1") == s1_state
+
+
+HOLDER = r"""
+import os, sys
+fds = [os.open(path, int(sys.argv[1])) for path in sys.argv[2:]]
+print("ready", flush=True)
+for line in sys.stdin:
+    op, i, *arg = line.split()
+    fd = fds[int(i)]
+    if op == "append":
+        out = os.write(fd, bytes.fromhex(arg[0]))
+    elif op == "truncate":
+        out = os.ftruncate(fd, int(arg[0]))
+    elif op == "fsync":
+        out = os.fsync(fd)
+    elif op == "read":
+        out = os.pread(fd, 1 << 16, 0).hex()
+    elif op == "size":
+        out = os.fstat(fd).st_size
+    elif op == "close":
+        out = os.close(fd)
+    print(out, flush=True)
+"""
+
+
+class Holder:
+    """Another process holding files open (``flags``), a logger or a ``tail -f``: it does
+    with them what it is told, and never forks (a child's copy of a descriptor, closed,
+    would have the kernel send FLUSH, which commits buffered writes)."""
+
+    def __init__(self, paths: list[Path], flags: int):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(flags), *map(str, paths)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline() == "ready\n"
+
+    def ask(self, *words) -> str:
+        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        assert answer, "the holder died"
+        return answer.strip()
+
+    def append(self, i: int, data: bytes) -> None:
+        assert self.ask("append", i, data.hex()) == str(len(data))
+
+    def read(self, i: int) -> bytes:
+        return bytes.fromhex(self.ask("read", i))
+
+    def size(self, i: int) -> int:
+        return int(self.ask("size", i))
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def append(path: Path, data: bytes) -> None:
+    """``printf DATA >> PATH``, from a process of its own."""
+    subprocess.run([sys.executable, "-c", "import os, sys; fd = os.open(sys.argv[1], "
+                    "os.O_WRONLY | os.O_APPEND); os.write(fd, bytes.fromhex(sys.argv[2]))",
+                    str(path), data.hex()], check=True)
+
+
+@pytest.mark.parametrize("holder", ["reader", "appender", "buffered"])
+def test_a_rollback_reaches_the_files_held_open(make_mount, holder):
+    """The reviewer's case: a rollback while another process holds a log open (``tail -f``
+    reading it, or the logger appending to it, its last writes committed or still buffered
+    in the mount): every holder and everyone else must see the rolled-back size and data
+    at once, and the next O_APPEND write go at its end. It used to go at the size before
+    the rollback (the open file's size in the mount, and the size the kernel keeps for an
+    open file until a stat asks for it again), leaving a hole of NULs for good; buffered
+    writes from before the rollback must never be written back over it either.
+    ``grown``: appended to since the snapshot, appended to again first thing after the
+    rollback; ``looked``: the same, looked at first; ``shrunk``: cut shorter since."""
+    m = make_mount()
+    paths = [m.mnt / name for name in ("grown.log", "looked.log", "shrunk.log")]
+    then = [b"one\n", b"one\n", b"0123456789\n"]
+    for path, data in zip(paths, then):
+        path.write_bytes(data)
+    m.snapctl("create", "good")
+    h = Holder(paths, os.O_RDONLY if holder == "reader" else os.O_RDWR | os.O_APPEND)
+    try:
+        for i, path in enumerate(paths):
+            if holder == "reader":
+                if i == 2:
+                    path.write_bytes(b"x\n")
+                else:
+                    append(path, b"two-two-two-two\n")
+                continue
+            if i == 2:
+                h.ask("truncate", i, 0)
+            h.append(i, b"x\n" if i == 2 else b"two-two-two-two\n")
+            if holder == "appender":
+                h.ask("fsync", i)
+        now = [b"one\ntwo-two-two-two\n"] * 2 + [b"x\n"]
+        assert [h.read(i) for i in range(3)] == now
+        assert [os.stat(path).st_size for path in paths] == [20, 20, 2]
+        dirty = control.request(m.store, {"op": "status"})["dirty_bytes"]
+        assert (dirty > 0) == (holder == "buffered")
+        restore(m, "good", "--force")
+        drop_caches()
+        assert control.request(m.store, {"op": "status"})["dirty_bytes"] == 0
+
+        def add(i: int, data: bytes) -> None:
+            if holder == "reader":
+                append(paths[i], data)
+            else:
+                h.append(i, data)
+        add(0, b"new-line\n")                  # before anything looks at the file
+        add(2, b"new-line\n")
+        assert os.stat(paths[1]).st_size == 4
+        assert (h.size(1), h.read(1), paths[1].read_bytes()) == (4, b"one\n", b"one\n")
+        add(1, b"new-line\n")
+        want = [data + b"new-line\n" for data in then]
+        assert [path.read_bytes() for path in paths] == want
+        assert [h.read(i) for i in range(3)] == want
+        assert [h.size(i) for i in range(3)] == [len(data) for data in want]
+    finally:
+        h.stop()                                # its last close: nothing written back
+    drop_caches()
+    assert [path.read_bytes() for path in paths] == want
+    m.snapctl("create", "after")
+    assert [(m.mnt / ".snapshot/after" / path.name).read_bytes() for path in paths] == want
+    m.umount()
+    m.mount()
+    assert [path.read_bytes() for path in paths] == want
+
+
+LOGGER = r"""
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)
+i = 0
+while not os.path.exists(sys.argv[2]) or i < 1000:
+    os.write(fd, b"line %07d\n" % i)
+    i += 1
+"""
+
+
+def test_a_rollback_under_a_logger_appending_without_pause(make_mount, tmp_path):
+    """The writes of a logger that never stops are held across the rollback; those the
+    kernel placed by the size from before it (while the mount has it take the new one)
+    are dropped as made before it. The log is the snapshot's, then whole lines in order."""
+    m = make_mount()
+    log, stop = m.mnt / "app.log", tmp_path / "stop"
+    log.write_bytes(b"one\n")
+    m.snapctl("create", "good")
+    logger = subprocess.Popen([sys.executable, "-c", LOGGER, str(log), str(stop)])
+    try:
+        while os.stat(log).st_size < 100_000:
+            assert logger.poll() is None
+            time.sleep(0.01)
+        restore(m, "good", "--force")
+        rolled_back = os.stat(log).st_size
+    finally:
+        stop.touch()
+        assert logger.wait(timeout=60) == 0
+    data = log.read_bytes()
+    assert data.startswith(b"one\n") and len(data) > rolled_back
+    assert re.fullmatch(rb"(line \d{7}\n)*", data[4:]), data[:64]
+    numbers = [int(n) for n in re.findall(rb"\d{7}", data)]
+    assert numbers == sorted(numbers) and numbers[-1] >= 999
+    m.umount()
+    m.mount()
+    assert log.read_bytes() == data
 
 
 def test_restore_offline(make_mount):
