@@ -1,5 +1,8 @@
-"""A mirror only moves forward: the receiver itself refuses, whatever the token (the client
-is not trusted), a commit that would move a mirror of the source back to an older snapshot."""
+"""A mirror only moves forward. Replicating a snapshot older than one of the source's the
+mirror holds is refused by the source (as ``zfs recv`` refuses an older snapshot) and by
+the receiver itself, whatever the token (the client is not trusted); a mirror that went on
+past a base the source then deleted (``snapctl delete --force``) is reconciled forward by
+the next replicate, keeping its snapshots."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from replicator.mirror import MirrorError, SnapshotRef
 from replicator.verify import reconcile
 
 from conftest import ADMIN_TOKEN, TOKEN, Mount, cli
-from test_replicate import assert_mirror_equals, mirror_info
+from test_replicate import assert_mirror_equals, mirror_info, send, tamper
 
 
 def dump(store_path: Path) -> dict:
@@ -58,6 +61,41 @@ def names(store_path: Path) -> list[str]:
 
 
 # ---- A: an older snapshot never rolls a mirror back -------------------------------------------
+
+def older_snapshot_is_refused(m: Mount, url: str, store_path: Path, tmp_path: Path,
+                              token: Path | None = None) -> str:
+    """The report's steps: 'old', then a replicate (a newer snapshot), then --snapshot old
+    (with and without --force): refused in one line, the mirror unchanged; the next
+    replicate goes on from the newer snapshot."""
+    (m.mnt / "f").write_text("old\n")
+    m.snapctl("create", "old")
+    (m.mnt / "f").write_text("new\n")
+    first = replicated(m, url, token=token)["snapshot"]
+    before = dump(store_path)
+    for force in ([], ["--force"]):
+        res = replicate(m, url, "--snapshot", "old", *force, token=token)
+        assert (res.returncode, res.stdout, res.stderr) == (1, "", not_newer("old", first))
+        assert dump(store_path) == before          # neither tree nor snapshots moved
+    (m.mnt / "x").write_text("x\n")
+    after = replicated(m, url, token=token)
+    assert after["base"] == first and not after["reconciled"]
+    assert names(store_path) == [first, after["snapshot"]]
+    return after["snapshot"]
+
+
+def test_an_older_snapshot_is_refused_by_a_file_mirror(mounted, tmp_path):
+    m, mirror = mounted, tmp_path / "mirror"
+    newest = older_snapshot_is_refused(m, f"file://{mirror}", mirror, tmp_path)
+    assert_mirror_equals(m, mirror, newest, tmp_path)
+
+
+def test_an_older_snapshot_is_refused_over_http_with_the_replicate_token(mounted, receiver,
+                                                                         tmp_path):
+    m, r = mounted, receiver()
+    newest = older_snapshot_is_refused(m, r.url, r.store, tmp_path, token=tmp_path / "token")
+    r.stop()
+    assert_mirror_equals(m, r.store, newest, tmp_path)
+
 
 def staged_reconciliation(m: Mount, client: HttpMirror, name: str):
     """What a client that does not check (an older snapctl, or a hostile one) stages to
@@ -134,3 +172,74 @@ def test_the_receiver_takes_an_increment_only_from_its_newest_snapshot(mounted, 
     assert str(refused.value) == (f"the mirror's newest snapshot is {s2!r}, not {s1!r} that "
                                   f"this commit starts from; a mirror only moves forward "
                                   f"from its newest snapshot: re-run replicate")
+
+
+# ---- B: a base deleted with --force ------------------------------------------------------------
+
+def base_deleted_then_reconciled(m: Mount, url: str, store_path: Path,
+                                 token: Path | None = None, monitoring: bool = True) -> str:
+    """The report's steps: two replicates, the newest snapshot (the mirror's base) deleted
+    with --force; check and status say so (``monitoring``); the next replicate reconciles
+    without --force and keeps the mirror's snapshots."""
+    (m.mnt / "a").write_text("a\n")
+    first = replicated(m, url, token=token)["snapshot"]
+    (m.mnt / "b").write_text("b\n")
+    second = replicated(m, url, token=token)["snapshot"]
+    m.snapctl("delete", second, "--force")
+    if monitoring:
+        check = m.snapctl("check", check=False)
+        said = ("its base was deleted on the source (lag unknown; the next replicate "
+                "reconciles it)")
+        assert (check.returncode, check.stdout) == \
+            (2, f"CRITICAL: {m.mnt.name} -> {url}: {said}\n")
+        status = m.snapctl("status")
+        assert f"  {url}: {said}, pending " in status.stdout, status.stdout
+    (m.mnt / "c").write_text("c\n")
+    res = replicate(m, url, token=token)
+    assert res.returncode == 0, res.stderr
+    third = res.stdout.split()[1]
+    assert res.stdout.startswith(f"replicated {third} (reconciled by hash buckets): ")
+    assert names(store_path) == [first, second, third]      # none of its snapshots lost
+    (m.mnt / "d").write_text("d\n")
+    after = replicated(m, url, token=token)
+    assert after["base"] == third                            # incremental again
+    return after["snapshot"]
+
+
+def test_after_a_deleted_base_the_next_replicate_reconciles(mounted, tmp_path):
+    m, mirror = mounted, tmp_path / "mirror"
+    newest = base_deleted_then_reconciled(m, f"file://{mirror}", mirror, monitoring=False)
+    assert_mirror_equals(m, mirror, newest, tmp_path)
+
+
+def test_a_deleted_base_reconciles_over_http_with_the_replicate_token(mounted, receiver,
+                                                                      tmp_path):
+    m, r = mounted, receiver()
+    newest = base_deleted_then_reconciled(m, r.url, r.store, token=tmp_path / "token",
+                                          monitoring=False)
+    r.stop()
+    assert_mirror_equals(m, r.store, newest, tmp_path)
+
+
+def test_a_mirror_changed_past_a_deleted_base_is_refused_then_forced(spark, mounted, tmp_path):
+    """Changed since its newest snapshot (which the source deleted): refused, naming that
+    snapshot; --force rolls it back to it, then reconciles."""
+    m, mirror = mounted, tmp_path / "mirror"
+    (m.mnt / "a").write_text("a")
+    m.snapctl("create", "s1")
+    send(m, mirror, "s1")
+    (m.mnt / "b").write_text("b")
+    m.snapctl("create", "s2")
+    send(m, mirror, "s2")
+    m.snapctl("delete", "s2", "--force")
+    tamper(mirror)
+    (m.mnt / "c").write_text("c")
+    m.snapctl("create", "s3")
+    with pytest.raises(MirrorError) as refused:
+        send(m, mirror, "s3")
+    assert str(refused.value) == ("the mirror has changed since its copy of 's2'; pass "
+                                  "--force to roll it back to 's2'")
+    result = send(m, mirror, "s3", force=True)
+    assert result.base is None and result.reconciled
+    assert names(mirror) == ["s1", "s2", "s3"]
+    assert_mirror_equals(m, mirror, "s3", tmp_path)
