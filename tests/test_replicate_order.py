@@ -1,8 +1,8 @@
 """A mirror only moves forward. Replicating a snapshot older than one of the source's the
 mirror holds is refused by the source (as ``zfs recv`` refuses an older snapshot) and by
 the receiver itself, whatever the token (the client is not trusted); a mirror that went on
-past a base the source then deleted (``snapctl delete --force``) is reconciled forward by
-the next replicate, keeping its snapshots."""
+past a base the source then deleted (``snapctl delete --force``) stays reported by status
+and check, and the next replicate reconciles it forward, keeping its snapshots."""
 
 from __future__ import annotations
 
@@ -200,15 +200,17 @@ def base_deleted_then_reconciled(m: Mount, url: str, store_path: Path,
     third = res.stdout.split()[1]
     assert res.stdout.startswith(f"replicated {third} (reconciled by hash buckets): ")
     assert names(store_path) == [first, second, third]      # none of its snapshots lost
+    check = m.snapctl("check", check=False)
+    assert (check.returncode, check.stdout) == (0, f"OK: {m.mnt.name} -> {url}: lag 0s\n")
     (m.mnt / "d").write_text("d\n")
     after = replicated(m, url, token=token)
     assert after["base"] == third                            # incremental again
     return after["snapshot"]
 
 
-def test_after_a_deleted_base_the_next_replicate_reconciles(mounted, tmp_path):
+def test_a_deleted_base_is_reported_and_the_next_replicate_reconciles(mounted, tmp_path):
     m, mirror = mounted, tmp_path / "mirror"
-    newest = base_deleted_then_reconciled(m, f"file://{mirror}", mirror, monitoring=False)
+    newest = base_deleted_then_reconciled(m, f"file://{mirror}", mirror)
     assert_mirror_equals(m, mirror, newest, tmp_path)
 
 
