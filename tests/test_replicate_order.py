@@ -176,13 +176,20 @@ def test_the_receiver_takes_an_increment_only_from_its_newest_snapshot(mounted, 
 
 # ---- B: a base deleted with --force ------------------------------------------------------------
 
-def base_deleted_then_reconciled(m: Mount, url: str, store_path: Path,
+def base_deleted_then_reconciled(m: Mount, url: str, store_path: Path, first: str,
                                  token: Path | None = None, monitoring: bool = True) -> str:
     """The report's steps: two replicates, the newest snapshot (the mirror's base) deleted
     with --force; check and status say so (``monitoring``); the next replicate reconciles
-    without --force and keeps the mirror's snapshots."""
+    without --force and keeps the mirror's snapshots. ``first``: "repl-" (the report's:
+    the second run removes the first one's snapshot, so nothing stays shared), or the name
+    of a snapshot of the user's sent first (it stays: an older snapshot both still hold,
+    while the mirror's newest is gone from the source)."""
     (m.mnt / "a").write_text("a\n")
-    first = replicated(m, url, token=token)["snapshot"]
+    if first == "repl-":
+        first = replicated(m, url, token=token)["snapshot"]
+    else:
+        m.snapctl("create", first)
+        replicated(m, url, "--snapshot", first, token=token)
     (m.mnt / "b").write_text("b\n")
     second = replicated(m, url, token=token)["snapshot"]
     m.snapctl("delete", second, "--force")
@@ -208,17 +215,19 @@ def base_deleted_then_reconciled(m: Mount, url: str, store_path: Path,
     return after["snapshot"]
 
 
-def test_a_deleted_base_is_reported_and_the_next_replicate_reconciles(mounted, tmp_path):
+@pytest.mark.parametrize("first", ["repl-", "mine"])
+def test_a_deleted_base_is_reported_and_the_next_replicate_reconciles(mounted, tmp_path,
+                                                                      first):
     m, mirror = mounted, tmp_path / "mirror"
-    newest = base_deleted_then_reconciled(m, f"file://{mirror}", mirror)
+    newest = base_deleted_then_reconciled(m, f"file://{mirror}", mirror, first)
     assert_mirror_equals(m, mirror, newest, tmp_path)
 
 
 def test_a_deleted_base_reconciles_over_http_with_the_replicate_token(mounted, receiver,
                                                                       tmp_path):
     m, r = mounted, receiver()
-    newest = base_deleted_then_reconciled(m, r.url, r.store, token=tmp_path / "token",
-                                          monitoring=False)
+    newest = base_deleted_then_reconciled(m, r.url, r.store, "mine",
+                                          token=tmp_path / "token", monitoring=False)
     r.stop()
     assert_mirror_equals(m, r.store, newest, tmp_path)
 
