@@ -101,9 +101,14 @@ def _ago(ns: int | None) -> str:
     return "never" if not ns else f"{(time.time_ns() - ns) / 1e9:.0f} s ago"
 
 
+BASE_DELETED = ("its base was deleted on the source (lag unknown; the next replicate "
+                "reconciles it)")
+
+
 def _mirror_line(url: str, m: dict) -> str:
     lag = "never replicated" if m["lag_seconds"] is None else f"lag {m['lag_seconds']:.0f} s"
-    return (f"  {url}: base {m['base']}, {lag}, pending {human_bytes(m['pending_bytes'])} in "
+    base = BASE_DELETED if m.get("base_deleted") else f"base {m['base']}, {lag}"
+    return (f"  {url}: {base}, pending {human_bytes(m['pending_bytes'])} in "
             f"{counted(m['pending_snapshots'], 'snapshot')}")
 
 
@@ -192,7 +197,8 @@ def _check(ctx, config_path, warning, critical) -> tuple[int, list[str]]:
             lag = m["lag_seconds"]
             level = 2 if lag is None or lag >= crit else 1 if lag >= warn else 0
             worst = max(worst, level)
-            text = f"{name} -> {url}: " + ("never replicated" if lag is None
+            text = f"{name} -> {url}: " + (BASE_DELETED if m.get("base_deleted") else
+                                          "never replicated" if lag is None
                                           else f"lag {lag:.0f}s")
             if lag is not None and level:
                 text += f" (over {'critical' if level == 2 else 'warning'} " \

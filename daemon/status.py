@@ -4,9 +4,11 @@ file, metrics, systemd STATUS), ``snapctl status`` and ``snapctl check``.
 The figures that matter come from the store itself, so they are true even when the daemon is
 dead: a mirror's base is the snapshot held for it (``snapctl replicate`` and the daemon record
 it); the lag is zero when nothing changed since the base, else the age of the base (the
-mirror's view is that old: the recovery point); pending bytes are the chunk bytes written
-since the base. The daemon adds what only it knows (last success, last error, last cycle) in
-``STATE_DIR/NAME.json``, written atomically.
+mirror's view is that old: the recovery point), unknown when the base was deleted (``snapctl
+delete --force``: the mirror stays listed, as never replicated, until the next cycle
+reconciles it); pending bytes are the chunk bytes written since the base. The daemon adds
+what only it knows (last success, last error, last cycle) in ``STATE_DIR/NAME.json``,
+written atomically.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class MirrorFigures:
     lag_seconds: float | None        # None: never replicated
     pending_bytes: int
     pending_snapshots: int
+    base_deleted: bool = False       # its base was deleted (--force): the next cycle reconciles
 
 
 @dataclass
@@ -59,7 +62,7 @@ def store_figures(store_path: str, urls: list[str] | None,
             by_uuid = {s.uuid: s for s in all_snaps}
             bases: dict = {}           # a URL replicated to again after its store was
             for _, snap_uuid, label in snaps.holds(txn, dbs):     # replaced: the newest base
-                held = by_uuid.get(snap_uuid)
+                held = by_uuid.get(snap_uuid)     # None: the base was deleted (--force)
                 if label not in bases or (held and (bases[label] is None or
                                                     held.epoch > bases[label].epoch)):
                     bases[label] = held
@@ -77,7 +80,8 @@ def store_figures(store_path: str, urls: list[str] | None,
                 group = out.mirrors if url in configured else out.others
                 group[url] = MirrorFigures(
                     url, base.name if base else None, base.created_ns if base else None, lag,
-                    sum(written(txn, dbs, e) for e in epochs), len(after))
+                    sum(written(txn, dbs, e) for e in epochs), len(after),
+                    base_deleted=url in bases and base is None)
             return out
     finally:
         store.close()

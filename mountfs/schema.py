@@ -23,7 +23,8 @@ meta      unversioned  b'format' -> u32 FORMAT_VERSION, b'chunk_size' -> u32,
                        b'written' + epoch:u64 -> u64 (chunk bytes written in that epoch),
                        b'bucket_count' -> u32 (K, the number of hash buckets),
                        b'hold:' + mirror uuid -> base snapshot uuid + mirror URL (the
-                       snapshot each mirror was last replicated to; kept from deletion)
+                       snapshot each mirror was last replicated to; kept from deletion,
+                       or deleted with --force: the hold stays until the next cycle)
                        on a mirror: b'mirror_of' -> the source store's uuid,
                        b'rolled_back_to' -> epoch:u64 + snapshot uuid (replicate --force),
                        b'undo_to' -> epoch:u64 + snapshot uuid or b'' while a change of the

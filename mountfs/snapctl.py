@@ -219,7 +219,8 @@ def list_(ctx, as_json):
 @click.argument("name")
 @target_options
 @click.option("--force", is_flag=True, help="Delete it even if it is a mirror's replication "
-              "base (the next cycle to that mirror then reconciles by hash buckets), or if "
+              "base (status and check report that mirror's base as deleted until the next "
+              "cycle to it, which reconciles by hash buckets), or if "
               "files or directories under .snapshot/NAME are open (their next read fails "
               "with ESTALE).")
 @click.pass_context

@@ -99,15 +99,14 @@ def retained_epochs(txn, dbs) -> list[int]:
 
 def delete(txn, dbs, name: str, force: bool = False) -> S.Snapshot:
     """Delete snapshot ``name``. A snapshot that is the replication base of a mirror is
-    kept unless ``force`` (the next cycle to that mirror then reconciles by buckets)."""
+    kept unless ``force`` (the next cycle to that mirror then reconciles by buckets). The
+    mirror's hold stays, naming the deleted base, so that status and check still report
+    that mirror (as behind: its base was deleted) until the next cycle holds a new one."""
     snap = get(txn, dbs, name)
     held_for = [label for mirror, snap_uuid, label in holds(txn, dbs) if snap_uuid == snap.uuid]
     if held_for and not force:
         raise SnapshotError(f"snapshot {name!r} is the replication base of mirror "
                             f"{held_for[0]}; replicate a newer snapshot first, or pass --force")
-    for mirror, snap_uuid, _ in holds(txn, dbs):
-        if snap_uuid == snap.uuid:
-            txn.delete(HOLD_PREFIX + mirror, db=dbs["meta"])
     txn.delete(snap.name.encode("utf-8", "surrogateescape"), db=dbs["snaps"])
     txn.delete(S.u64(snap.epoch), db=dbs["snapepochs"])
     _merge_written(txn, dbs, snap.epoch)
@@ -120,7 +119,8 @@ HOLD_PREFIX = b"hold:"
 
 
 def holds(txn, dbs) -> list[tuple[bytes, bytes, str]]:
-    """(mirror uuid, base snapshot uuid, mirror label) for every mirror replicated to."""
+    """(mirror uuid, base snapshot uuid, mirror label) for every mirror replicated to; the
+    base may be gone (deleted with ``force``)."""
     out = []
     cur = txn.cursor(db=dbs["meta"])
     if cur.set_range(HOLD_PREFIX):

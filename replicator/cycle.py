@@ -2,10 +2,16 @@
 
 1. base: the newest source snapshot older than the one being sent whose uuid the mirror
    holds (none: a full first copy into an empty mirror); a store that is no mirror and
-   holds something of its own is refused unless ``force`` (mirror.overwrites);
+   holds something of its own is refused unless ``force`` (mirror.overwrites); a snapshot
+   older than one of this source the mirror holds is refused, ``force`` or not (a mirror
+   only moves forward, as ``zfs recv`` refuses an older snapshot; the receiver checks it
+   too: mirror._check_forward);
 2. the mirror must not have changed since its copy of the base (O(1): its root's mepoch);
    ``force`` rolls it back to the base first. Without a common snapshot, a mirror that is
-   not empty (a lost base, seeded another way) is reconciled by bucket hashes instead;
+   not empty (a lost base, seeded another way) is reconciled by bucket hashes instead, and
+   so is one whose newest snapshot came after the base and is gone from the source (a base
+   deleted with ``snapctl delete --force``): its live tree is that snapshot's, not the
+   base's (changed since it: refused, ``force`` rolls it back to it);
 3. the changeset base -> snapshot, built from the epoch-pruned diff in bounded parts; for
    each part, the mirror says which of its chunk digests it lacks, only those travel
    (from this process, or one Spark job after the last part when they are many), and the
@@ -33,7 +39,8 @@ from mountfs.store import Store, StoreError
 from mountfs.units import counted
 
 from . import changeset, transfer
-from .mirror import MirrorError, SnapshotRef, not_a_mirror, overwrites
+from .mirror import (MirrorError, SnapshotRef, check_newer, not_a_mirror, not_newer,
+                     overwrites)
 from .verify import reconcile
 
 
@@ -53,6 +60,7 @@ class CycleResult:
     diff_seconds: float = 0.0      # of ``seconds``, finding the changes (not in the summary)
     executors: dict = field(default_factory=dict)   # per executor: tasks, bytes, bytes/s
     already_on_mirror: bool = False  # the mirror held the snapshot: nothing was sent
+    reconciled: bool = False       # no base: the mirror's live tree compared by buckets
     # The source snapshot to hold as this mirror's base: the one sent, or, when the mirror
     # held it already, the newest one the mirror shares with the source (never an older).
     hold: str | None = None
@@ -66,7 +74,8 @@ class CycleResult:
         if self.already_on_mirror:
             return (f"{self.snapshot} is already on the mirror: nothing sent, its base "
                     f"stays {self.hold} ({self.seconds:.2f} s)")
-        base = f"from {self.base}" if self.base else "full copy"
+        base = f"from {self.base}" if self.base else \
+            "reconciled by hash buckets" if self.reconciled else "full copy"
         return (f"replicated {self.snapshot} ({base}): {counted(self.entries, 'name')} and "
                 f"{counted(self.inodes, 'inode')} changed, "
                 f"{counted(self.chunks_sent, 'chunk')} sent "
@@ -95,6 +104,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
             snap = snaps.get(txn, source.db, snapshot)
             every = snaps.list_all(txn, source.db)
             older = [s for s in every if s.epoch < snap.epoch]
+        ref = SnapshotRef(snap.name, snap.uuid.hex(), snap.created_ns)
         info = mirror.info()
         _check_compatible(source, info)
         overwrite = overwrites(info["mirror_of"], info["empty"])
@@ -109,16 +119,32 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
             newest = [s for s in every if s.uuid.hex() in held][-1]     # base stays newest
             return CycleResult(snap.name, None, 0, 0, 0, 0, 0, time.monotonic() - started,
                                already_on_mirror=True, hold=newest.name)
+        ours = info["mirror_of"] == source.uuid.hex()     # its snapshots are this source's
+        ahead = [s for s in every if s.uuid.hex() in held and s.epoch > snap.epoch]
+        if ours and ahead:                # as zfs recv: never back to an older snapshot
+            raise not_newer(snap.name, ahead[-1].name)
         base = next((s for s in reversed(older) if s.uuid.hex() in held), None)
-        if base is not None and held[base.uuid.hex()]["changed_since"]:
+        newest = info["snapshots"][-1] if info["snapshots"] else None
+        if base is not None and newest["uuid"] != base.uuid.hex():
+            # The mirror went on past the base with snapshots this source no longer has
+            # (deleted with --force): the diff from the base would not fit its tree, and
+            # the receiver takes increments only from its newest snapshot. Reconcile.
+            if newest["changed_since"]:
+                if not force:
+                    raise changed_since(newest["name"])
+                mirror.rollback_to(newest["uuid"])
+            base = None
+        elif base is not None and held[base.uuid.hex()]["changed_since"]:
             if not force:
-                raise MirrorError(f"the mirror has changed since its copy of {base.name!r}; "
-                                  f"pass --force to roll it back to {base.name!r}")
+                raise changed_since(base.name)
             mirror.rollback_to(base.uuid.hex())
+        reconciling = base is None and not info["empty"]
+        if reconciling and ours:
+            check_newer([(s["name"], s["created_ns"]) for s in info["snapshots"]], ref)
         phase(f"finding what changed since {base.name}" if base else
+              "comparing the mirror's buckets" if reconciling else
               "listing the snapshot for a full copy")
         diff_started = time.monotonic()
-        reconciling = base is None and not info["empty"]
         if reconciling and info["buckets"] != source.bucket_count:
             raise MirrorError("the mirror shares no snapshot with this source and keeps "
                               "another number of buckets; replicate into an empty mirror")
@@ -147,8 +173,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
                                      master=master, stall_seconds=stall_seconds,
                                      progress=progress))
         phase(COMMITTING)
-        mirror.commit_parts(source.uuid, base.uuid.hex() if base else None,
-                            SnapshotRef(snap.name, snap.uuid.hex(), snap.created_ns),
+        mirror.commit_parts(source.uuid, base.uuid.hex() if base else None, ref,
                             sender.transfer, sender.digests, reconcile=reconciling,
                             force=overwrite)
         sent = sender.sent
@@ -156,7 +181,7 @@ def replicate(source_path: str, mirror, snapshot: str, force: bool = False,
                            sender.inodes, sent.chunks, sent.bytes,
                            max(sender.wanted_bytes - sent.bytes, 0),
                            time.monotonic() - started, diff_seconds, sent.executors,
-                           hold=snap.name)
+                           reconciled=reconciling, hold=snap.name)
     finally:
         source.close()
 
@@ -216,6 +241,11 @@ class _Sender:
         self.sent.chunks += sent.chunks
         self.sent.bytes += sent.bytes
         self.sent.executors.update(sent.executors)
+
+
+def changed_since(name: str) -> MirrorError:
+    return MirrorError(f"the mirror has changed since its copy of {name!r}; pass --force to "
+                       f"roll it back to {name!r}")
 
 
 def _check_compatible(source: Store, info: dict) -> None:

@@ -350,10 +350,45 @@ def _check_commit(txn, dbs, chunk_size: int, source_uuid: bytes, base_uuid: str 
     be one of its own (overwrites), made a mirror by this commit."""
     base = _check_base(txn, dbs, chunk_size, snaps.live_epoch(txn, dbs), source_uuid,
                        base_uuid, reconcile, force)
-    for s in snaps.list_all(txn, dbs):
+    held = snaps.list_all(txn, dbs)
+    for s in held:
         if s.name == snapshot.name or s.uuid.hex() == snapshot.uuid:
             raise MirrorError(f"the mirror already has snapshot {s.name!r}")
+    mirror_of = txn.get(b"mirror_of", db=dbs["meta"])
+    if mirror_of is not None and bytes(mirror_of) == source_uuid:
+        _check_forward(held, base, snapshot)
     return base
+
+
+def _check_forward(held: list[S.Snapshot], base: S.Snapshot | None,
+                   snapshot: SnapshotRef) -> None:
+    """A commit to a mirror of the source moves it forward, never back (as ``zfs recv``
+    takes an incremental stream only from the newest snapshot), whatever the token: an
+    incremental commit starts from the mirror's newest snapshot; a reconciliation, which
+    replaces the live tree whatever it holds, brings a snapshot newer than every one the
+    mirror holds (by creation time: the order the receiver can check, check_newer)."""
+    if base is not None and held and held[-1].uuid != base.uuid:
+        raise MirrorError(f"the mirror's newest snapshot is {held[-1].name!r}, not "
+                          f"{base.name!r} that this commit starts from; a mirror only moves "
+                          f"forward from its newest snapshot: re-run replicate")
+    if base is None:
+        check_newer([(s.name, s.created_ns) for s in held], snapshot)
+
+
+def check_newer(held: list[tuple[str, int]], snapshot: SnapshotRef) -> None:
+    """Refuse ``snapshot`` unless it was created after every snapshot ``held`` (name,
+    created_ns) by the mirror: what the receiver checks of a reconciliation, and the
+    source before it sends one."""
+    if held:
+        name, created_ns = max(held, key=lambda s: s[1])
+        if created_ns >= snapshot.created_ns:
+            raise not_newer(snapshot.name, name)
+
+
+def not_newer(name: str, newest: str) -> MirrorError:
+    return MirrorError(f"snapshot {name!r} is not newer than {newest!r}, the newest snapshot "
+                       f"of this source the mirror holds; a mirror only moves forward: "
+                       f"replicate a newer snapshot")
 
 
 def _take_snapshot(txn, dbs, chunk_size: int, source_uuid: bytes,

@@ -423,7 +423,7 @@ def test_cli_replicate_json_summary(mounted, tmp_path):
     summary = json.loads(out)
     assert set(summary) == {"snapshot", "base", "entries", "inodes", "chunks_sent",
                             "bytes_sent", "bytes_skipped", "seconds", "executors",
-                            "already_on_mirror"}
+                            "already_on_mirror", "reconciled"}
     assert summary["already_on_mirror"] is False
     assert summary["snapshot"].startswith("repl-") and summary["base"] is None
     assert summary["executors"] == {}             # sent inline: no Spark executor
