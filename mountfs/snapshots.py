@@ -103,10 +103,13 @@ def delete(txn, dbs, name: str, force: bool = False) -> S.Snapshot:
     mirror's hold stays, naming the deleted base, so that status and check still report
     that mirror (as behind: its base was deleted) until the next cycle holds a new one."""
     snap = get(txn, dbs, name)
-    held_for = [label for mirror, snap_uuid, label in holds(txn, dbs) if snap_uuid == snap.uuid]
+    held_for = sorted(label for mirror, snap_uuid, label in holds(txn, dbs)
+                      if snap_uuid == snap.uuid)
     if held_for and not force:
-        raise SnapshotError(f"snapshot {name!r} is the replication base of mirror "
-                            f"{held_for[0]}; replicate a newer snapshot first, or pass --force")
+        which = f"mirror {held_for[0]}" if len(held_for) == 1 else \
+            f"mirrors {', '.join(held_for[:-1])} and {held_for[-1]}"
+        raise SnapshotError(f"snapshot {name!r} is the replication base of {which}; "
+                            f"replicate a newer snapshot first, or pass --force")
     txn.delete(snap.name.encode("utf-8", "surrogateescape"), db=dbs["snaps"])
     txn.delete(S.u64(snap.epoch), db=dbs["snapepochs"])
     _merge_written(txn, dbs, snap.epoch)
@@ -136,8 +139,12 @@ def bases(txn, dbs) -> dict[str, str]:
     """Snapshots that are a mirror's replication base, each with why it must stay (retention
     keeps them rather than fail on the refusal of ``delete``)."""
     by_uuid = {s.uuid: s.name for s in list_all(txn, dbs)}
-    return {by_uuid[u]: f"replication base of {label}" for _, u, label in holds(txn, dbs)
-            if u in by_uuid}
+    labels: dict[str, list[str]] = {}
+    for _, u, label in holds(txn, dbs):
+        if u in by_uuid:
+            labels.setdefault(by_uuid[u], []).append(label)
+    return {name: f"replication base of {' and '.join(sorted(held))}"
+            for name, held in labels.items()}
 
 
 def set_hold(txn, dbs, mirror_uuid: bytes, name: str, label: str) -> None:

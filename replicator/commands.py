@@ -472,7 +472,8 @@ def _restore_from_mirror(where, url, name, path, dest, force, token_file, ca_fil
         fail(f"restore from the mirror failed: {_message(e)}")
     replaced = "" if result.replaced is None else f"; replaced ./{escaped(result.dest)}" + (
         f" ({result.replaced_entries} entries)" if result.replaced == "directory" else "")
-    click.echo(f"restored ./{escaped(rel)} of {escaped(name)} from {url} to "
+    what = "all" if rel in (".", "") else f"./{escaped(rel)}"
+    click.echo(f"restored {what} of {escaped(name)} from {url} to "
                f"./{escaped(result.dest)}: "
                f"{result.entries} entries, "
                f"{result.bytes_fetched} bytes fetched, {result.bytes_local} bytes found "

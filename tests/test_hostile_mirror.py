@@ -454,6 +454,7 @@ def test_a_failed_force_restore_leaves_the_directory_as_it_was(fs):
     serve(fs, *new_listing("keepdir"))
     res = restore(fs, "keepdir", "--force")
     assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"restored all of s from {fs[1].url} to ./keepdir: ")
     assert res.stdout.strip().endswith("; replaced ./keepdir (21 entries)"), \
         res.stdout                          # README: what --force replaced is named (20 + sub)
     assert sorted(os.listdir(m.mnt / "keepdir")) == sorted(["sub"] + [f"n{i}" for i in range(30)])

@@ -561,9 +561,16 @@ def test_the_replication_base_is_kept_from_deletion(mounted, tmp_path):
     assert res.stderr.strip() == (f"snapctl: snapshot 's1' is the replication base of mirror "
                                   f"file://{mirror}; replicate a newer snapshot first, or "
                                   f"pass --force")
+    other = tmp_path / "other"                     # the base of two mirrors names both
+    assert snapctl_replicate(m, other, "--snapshot", "s1").wait(timeout=300) == 0
+    res = m.snapctl("delete", "s1", check=False)
+    assert res.stderr.strip() == (f"snapctl: snapshot 's1' is the replication base of mirrors "
+                                  f"file://{mirror} and file://{other}; replicate a newer "
+                                  f"snapshot first, or pass --force"), res.stderr
     m.snapctl("create", "s2")
     assert snapctl_replicate(m, mirror, "--snapshot", "s2").wait(timeout=300) == 0
-    m.snapctl("delete", "s1")                      # no longer the base
+    assert snapctl_replicate(m, other, "--snapshot", "s2").wait(timeout=300) == 0
+    m.snapctl("delete", "s1")                      # no longer a base
     assert m.snapctl("delete", "s2", check=False).returncode == 1
     m.snapctl("delete", "s2", "--force")
     (m.mnt / "f").write_text("2")
