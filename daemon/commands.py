@@ -13,7 +13,7 @@ from dataclasses import asdict
 import click
 
 from mountfs.clitools import CONTEXT, DURATION, fail, mountpoint_option, target_options
-from mountfs.mount import canonical, find_mount, mounts
+from mountfs.mount import find_mount, mounted_at
 from mountfs.snapnames import DAEMON_PREFIX, is_stamped
 from mountfs.store import StoreError
 from mountfs.units import counted, human_bytes
@@ -36,10 +36,7 @@ def _filesystems(ctx, config_path: str | None):
     the store holds a base for counts). --store names no mount and no config: refused
     rather than ignored, which would have reported the current directory's filesystem."""
     if ctx.obj.get("store"):
-        known = mounts()
-        store = canonical(ctx.obj["store"], known)
-        mounted = next((m.mountpoint for m in known
-                        if canonical(m.store, known) == store), None)
+        mounted = mounted_at(ctx.obj["store"])
         where = f"-m {mounted}, where it is mounted" if mounted else \
             f"mount it and pass -m MOUNTPOINT (it is not mounted now)"
         raise CannotRun(f"--store does not apply to status and check, which report mounted "

@@ -100,6 +100,14 @@ def find_mount(path: str) -> MountInfo | None:
     return best
 
 
+def mounted_at(store: str, known: list[MountInfo] | None = None) -> str | None:
+    """Where the store at ``store`` is mounted, if it is (compared as ``canonical`` names
+    paths: nothing inside a mount is looked up)."""
+    known = mounts() if known is None else known
+    store = canonical(store, known)
+    return next((m.mountpoint for m in known if canonical(m.store, known) == store), None)
+
+
 async def _raise_readahead(ops: Operations, mountpoint: str) -> None:
     """Once the kernel's INIT is answered (the answer sets the readahead, lowering it to
     what the kernel offered at mount time, 128 KiB), raise it to READAHEAD_KIB. The mount's
@@ -394,8 +402,7 @@ def _disconnected(mountpoint: str) -> bool:
 
 def _if_a_store(path: str, known: list[MountInfo]) -> str:
     """For ``umount STORE``: where that store is mounted, if it is one ("" if not)."""
-    store = canonical(path, known)
-    at = next((m.mountpoint for m in known if canonical(m.store, known) == store), None)
+    at = mounted_at(path, known)
     if at is not None:
         return f" but a store, mounted at {at}: run 'mountfs umount {at}'"
     return " (it is no mountpoint; 'mount | grep mountfs' lists the mounts)"

@@ -904,17 +904,14 @@ class Operations(pyfuse3.Operations):
 
         def tell():
             for parent, name in names:
-                try:
+                with contextlib.suppress(OSError):  # not (or no longer) known to the kernel
                     pyfuse3.invalidate_entry(parent, name)
-                except OSError:             # not (or no longer) known to the kernel
-                    pass
             _drop_caches(held)
             self.refresher = threading.get_native_id()     # what FUSE says is the caller
             for path in paths:
-                try:
+                # gone meanwhile, or under a directory we may not search: it keeps the old size
+                with contextlib.suppress(OSError):
                     os.chown(path, -1, -1)
-                except OSError:             # gone meanwhile, or a directory we may not search
-                    pass
             _drop_caches(behind)
         if names or held:
             await trio.to_thread.run_sync(tell)
@@ -965,10 +962,8 @@ class Operations(pyfuse3.Operations):
 def _drop_caches(inos: list[int]) -> None:
     """Have the kernel forget the attributes and pages of ``inos`` (in a worker thread)."""
     for ino in inos:
-        try:
+        with contextlib.suppress(OSError):          # the kernel forgot it meanwhile
             pyfuse3.invalidate_inode(ino, attr_only=False)
-        except OSError:             # the kernel forgot it meanwhile
-            pass
 
 
 def _orphaned(live, remove, *args) -> list[int]:

@@ -132,9 +132,8 @@ class _Stream(httpcore.NetworkStream):
                 return
             sock = socket.socket(fileno=self._fd)
             try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+                with contextlib.suppress(OSError):      # the peer closed it already
+                    sock.shutdown(socket.SHUT_RDWR)
             finally:
                 sock.detach()
 

@@ -101,10 +101,8 @@ def _tls_hint(e: httpx.HTTPError) -> str:
 def _refusal(url, path: str, res: httpx.Response) -> MirrorError:
     """A receiver refuses with its reason as JSON ``error``; any other answer that is not a
     success comes from something else at that URL (a proxy, another server, a redirect)."""
-    try:
+    with contextlib.suppress(ValueError, KeyError, TypeError, RecursionError):
         return MirrorError(f"mirror: {' '.join(str(res.json()['error']).split())[:300]}")
-    except (ValueError, KeyError, TypeError, RecursionError):
-        pass
     where = res.headers.get("location")
     said = f"a redirect to {where[:200]!r}" if where else \
         repr(" ".join(res.text.split())[:100])

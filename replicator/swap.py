@@ -10,6 +10,7 @@ descriptor: the caller opened the parent, and no path is followed through a syml
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -70,11 +71,9 @@ def swap(parent_fd: int, tmp: str, name: str, replacing: bool) -> str | None:
         return None
     old = side_name(name, "old")
     if renameat2(parent_fd, tmp, name, RENAME_EXCHANGE):
-        try:                                 # the old tree gets a name that says so
+        with contextlib.suppress(OSError):   # the old tree gets a name that says so
             if renameat2(parent_fd, tmp, old, RENAME_NOREPLACE):
                 return old
-        except OSError:
-            pass
         return tmp
     if exists_at(parent_fd, old):
         raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), old)

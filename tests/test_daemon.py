@@ -73,6 +73,18 @@ def daemon():
         d.stop()
 
 
+def mirrors_config(path: Path, mnt: Path, state: Path, urls: list[str],
+                   token_file: Path | None = None, keep_last: int | None = None) -> Path:
+    """A plain config of one filesystem snapshotting every second, with a mirror per URL
+    (each with ``token_file``, if given) and ``keep_last`` retention, if given."""
+    token = f'token_file = "{token_file}"\n' if token_file else ""
+    retention = f"retention = {{ keep_last = {keep_last} }}\n" if keep_last else ""
+    path.write_text(f'[daemon]\nstate_dir = "{state}"\n[[filesystem]]\nname = "data"\n'
+                    f'mountpoint = "{mnt}"\nmin_interval = "1s"\n{retention}' +
+                    "".join(f'[[filesystem.mirror]]\nurl = "{url}"\n{token}' for url in urls))
+    return path
+
+
 def write_config(path: Path, mnt: Path, state: Path, mirror_url: str, token_file: Path,
                  extra_fs: str = "", metrics: str = "") -> Path:
     admin = token_file.with_name("admin-token")      # the mirror's retention needs it
@@ -266,22 +278,8 @@ def test_a_slow_mirror_keeps_its_base_while_a_fast_one_moves_on(mounted, receive
                                                                 tmp_path):
     m = mounted
     fast, slow = receiver(), receiver(store=tmp_path / "slow-mirror")
-    config = tmp_path / "two.toml"
-    config.write_text(f"""
-[daemon]
-state_dir = "{tmp_path}/state"
-[[filesystem]]
-name = "data"
-mountpoint = "{m.mnt}"
-min_interval = "1s"
-retention = {{ keep_last = 1 }}
-[[filesystem.mirror]]
-url = "{fast.url}"
-token_file = "{tmp_path}/token"
-[[filesystem.mirror]]
-url = "{slow.url}"
-token_file = "{tmp_path}/token"
-""")
+    config = mirrors_config(tmp_path / "two.toml", m.mnt, tmp_path / "state",
+                            [fast.url, slow.url], tmp_path / "token", keep_last=1)
     (m.mnt / "first").write_text("1")
     d = daemon(config)
     wait_for("both mirrors", lambda: all(mirror_is_current(m, config, u)
@@ -338,11 +336,8 @@ def test_snapshots_go_on_while_a_mirror_never_answers(mounted, daemon, tmp_path)
     token.write_text("token\n")
     token.chmod(0o600)
     with mute_mirror() as (url, accepted):
-        config = tmp_path / "mute.toml"
-        config.write_text(f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n\n[[filesystem]]\n'
-                          f'name = "data"\nmountpoint = "{m.mnt}"\nmin_interval = "1s"\n'
-                          f'retention = {{ keep_last = 1 }}\n\n[[filesystem.mirror]]\n'
-                          f'url = "{url}"\ntoken_file = "{token}"\n')
+        config = mirrors_config(tmp_path / "mute.toml", m.mnt, tmp_path / "state", [url],
+                                token, keep_last=1)
         (m.mnt / "first").write_text("first")
         d = daemon(config)
         wait_for("the first snapshot", lambda: snapshot_names(m), timeout=60)
@@ -449,19 +444,8 @@ def test_an_unexpected_error_from_one_mirror_fails_that_mirror_alone(mounted, tm
 
     m = mounted
     bad, good = tmp_path / "bad-mirror", tmp_path / "good-mirror"
-    config = tmp_path / "d.toml"
-    config.write_text(f"""
-[daemon]
-state_dir = "{tmp_path}/state"
-[[filesystem]]
-name = "data"
-mountpoint = "{m.mnt}"
-min_interval = "1s"
-[[filesystem.mirror]]
-url = "file://{bad}"
-[[filesystem.mirror]]
-url = "file://{good}"
-""")
+    config = mirrors_config(tmp_path / "d.toml", m.mnt, tmp_path / "state",
+                            [f"file://{bad}", f"file://{good}"])
     real = service.replicate
 
     def replicate(store, endpoint, name, **kw):
