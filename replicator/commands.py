@@ -202,7 +202,11 @@ def _drop_earlier_runs(where: snapctl.Target, sent: str) -> list[str]:
     if not where.mounted:
         return []
     from mountfs.snapnames import is_stamped
-    names = [s["name"] for s in _snapshots_of(where)]
+    try:
+        names = [s["name"] for s in _snapshots_of(where)]
+    except (StoreError, OSError) as e:    # the run succeeded: its summary stands
+        click.echo(f"snapctl: earlier runs' snapshots not looked at: {_message(e)}", err=True)
+        return []
     older = names[:names.index(sent)] if sent in names else []
     removed = []
     for name in older:
@@ -210,7 +214,7 @@ def _drop_earlier_runs(where: snapctl.Target, sent: str) -> list[str]:
             try:
                 snapctl.delete_snapshot(where, name)
                 removed.append(name)
-            except StoreError:
+            except (StoreError, OSError):
                 pass                  # a base, or being read: kept, as it should be
     return removed
 
