@@ -75,7 +75,7 @@ class Engine:
         with store.read() as txn:
             self.live = store.live_epoch(txn)       # a TXN step's reply moves it on
         self._committer = None if store.readonly else \
-            WriterProcess(store, self._on_commit, self._on_ran)
+            WriterProcess(store, self._committed, self._ran, relay=self._relay)
         self._token: trio.lowlevel.TrioToken | None = None
         self.files = FileCache(self)
         self._rolling = trio.Lock()                 # one rollback at a time
@@ -380,8 +380,7 @@ class Engine:
 
     async def _submit(self, step: Step):
         finished = trio.Event()
-        token = self._token
-        step.done = lambda _step: _post(token, self._replied, step, finished)
+        step.done = lambda _step: self._replied(step, finished)
         self._committer.put(step)      # first: a step that is not data goes no further
         if step.kind in (LIVE, TXN):
             self.changes += 1
@@ -407,14 +406,14 @@ class Engine:
         self._note(step)
         finished.set()
 
-    def _on_ran(self, steps: list[Step], committed: int) -> None:
-        """From the writer's replies (the trio thread's task that reads them, or a reader
-        thread outside trio): posted steps have run; ``committed``: the transaction
-        whose commit is told right after (0: none)."""
-        _post(self._token, self._ran, steps, committed)
+    def _relay(self, fn, *args) -> None:
+        """How the writer's callbacks reach the trio thread from elsewhere (its reader
+        thread outside trio, steps failed on their way): ``fn(*args)`` there, soon."""
+        _post(self._token, fn, *args)
 
     def _ran(self, steps: list[Step], committed: int) -> None:
-        """On the trio thread once posted steps have run: their marks are now the ones
+        """On the trio thread once posted steps have run (``committed``: the transaction
+        whose commit is told right after, 0: none): their marks are now the ones
         they reported, and their records the ones they wrote (unless a later posted step
         will write them again). Steps of transaction ``committed`` are committed already
         (told in the same frame, mostly all of them): nothing of theirs is left to note.
@@ -459,12 +458,10 @@ class Engine:
             if mark not in self._posted and mark not in self._dirty:
                 self._records.pop(mark, None)
 
-    def _on_commit(self, steps: int, txn_no: int) -> None:
-        """From the writer's replies, after each commit (or a refused live step)."""
-        if steps:
-            _post(self._token, self._committed, steps, txn_no)
-
     def _committed(self, steps: int, txn_no: int) -> None:
+        """On the trio thread, after each commit (or a refused live step)."""
+        if not steps:
+            return
         self._uncommitted -= steps
         self._unsynced = True
         for mark in self._dirty_in.pop(txn_no, ()):

@@ -31,7 +31,10 @@ How:
 
 Frames, mount -> writer: their length (``LENGTH``), a header (``HEADER``: PUT, POST or STOP,
 the step's number, the length of what is pickled), the pickled ``(kind, fn, args, nbytes)``,
-then the step's chunk data, raw. A step carrying data pickles each large ``bytes`` as a
+then the step's chunk data, raw. Posted steps go together as one BATCH frame: the header
+holds the first step's number and how many follow (their numbers are consecutive), the
+body one pickle of their ``(fn, args, nbytes, predicted)`` (a function named once for
+the batch, not once per step). A step carrying data pickles each large ``bytes`` as a
 reference to its place after the pickle (``_DataPickler``): a 1 MiB chunk is copied neither
 into the pickle by the mount nor out of it by the writer, and a worker thread, not the trio
 thread, copies it into the pipe (those copies took the trio thread, which serves every
@@ -39,12 +42,15 @@ request, from 0.35 to 0.63 s per GiB written: docs/benchmarks.md, eleventh round
 the writer cannot read fails that step alone, as a step that raised would.
 
 Writer -> mount, frames of their length (``LENGTH``) then a pickle: ``("reply", outcome, ok)``,
-``("ran", [outcome, ...], ok)``, ``("committed", n, txn_no, [outcome, ...], ok)``, where
-``outcome`` is ``(seq, result, error, marks, records, txn_no, live)`` and ``ok`` is whether
-changes are still answered before their commit (``Committer.answers_early``). Posted steps
-that ran are told with the next commit, which follows within COMMIT_DELAY (their
-transaction's), or before the next reply: one frame per batch instead of two, and the
-mount need not note as uncommitted what the same frame says is committed.
+``("ran", [outcome, ...], ok)``, ``("committed", n, txn_no, [outcome or seq, ...], ok)``,
+where ``outcome`` is ``(seq, result, error, marks, records, txn_no, live)`` and ``ok`` is
+whether changes are still answered before their commit (``Committer.answers_early``).
+Posted steps that ran are told with the next commit, which follows within COMMIT_DELAY
+(their transaction's), or before the next reply: one frame per batch instead of two, and
+the mount need not note as uncommitted what the same frame says is committed. So a posted
+step committed in that frame, which wrote the records it was answered with (checked
+here, against its ``predicted``), is told by its number alone: nothing of what it wrote
+is left for the mount to note.
 """
 
 from __future__ import annotations
@@ -84,8 +90,9 @@ NICE = 10                   # the writer's niceness: a thread of the request cha
                             # round). Under full load it still gets about a tenth of a core.
 LENGTH = struct.Struct(">I")      # of what follows in a frame to the writer
 HEADER = struct.Struct(">BQI")    # PUT, POST or STOP; the step's number; the pickle's length
+                                  # (BATCH: the first step's number; how many steps)
 _HEAD = struct.Struct(">IBQI")    # LENGTH and HEADER in one, for small frames
-PUT, POST, STOP = 0, 1, 2
+PUT, POST, STOP, BATCH = 0, 1, 2, 3
 _PR_SET_PDEATHSIG = 1
 _F_SETPIPE_SZ = 1031
 RAW_BYTES = 64 << 10        # a step's data (bytes) at least this long travels raw
@@ -110,12 +117,15 @@ class WriterProcess:
     order, by the task that reads the writer's replies on the trio thread (started in
     trio) or else by a reader thread. ``ran``'s ``committed`` is the transaction
     whose commit ``committed`` tells right after (0: none): the steps of it among
-    ``steps`` are committed already."""
+    ``steps`` are committed already. That task calls them directly; elsewhere (the
+    reader thread, steps failed on their way) they go through ``relay(callback, *args)``
+    (by default: called as they are)."""
 
-    def __init__(self, store: Store, committed, ran):
+    def __init__(self, store: Store, committed, ran, relay=None):
         self.store = store
         self._committed = committed
         self._on_ran = ran
+        self._relay = relay or _call
         self._steps: dict[int, Step] = {}       # sent, not yet answered, by sequence number
         self._seq = 0
         self._answers_early = True
@@ -123,7 +133,7 @@ class WriterProcess:
         self._proc: subprocess.Popen | None = None
         self._out_fd = -1
         self._unsent: deque = deque()       # pieces of frames waiting for _flush_unsent
-        self._held: Step | None = None      # the last posted step, not yet framed (``held``)
+        self._batch: list[Step] = []        # posted steps not yet framed, in order (``held``)
         self._raw_unsent = 0                # frames with chunk data among them
         self._in_trio = False               # started in trio: the pipe is non-blocking
         self._flushing = False              # _flush_unsent is writing (in a worker thread)
@@ -168,7 +178,7 @@ class WriterProcess:
 
     def put(self, step: Step) -> None:
         """Send a step whose caller waits for it: written now if the pipe has room."""
-        self._frame_held()
+        self._frame_batch()
         self._send(PUT, step, now=True)
 
     def post(self, step: Step) -> None:
@@ -176,37 +186,63 @@ class WriterProcess:
         call that posted it is answered, with the others posted meanwhile (or at once
         with the next ``put``). Writing to the pipe took about 9 µs of the trio thread per
         step (two per created file) and woke the writer each time; nothing waits for a
-        posted step. In trio the step is framed only when the next one is sent or the
-        posted steps go (``held``), unless it carries chunk data."""
-        self._frame_held()
-        if not self._in_trio or step.nbytes:
+        posted step. In trio the posted steps are framed together (``_frame_batch``),
+        when the next step is sent or the posted steps go, but for one whose chunk data
+        travels raw."""
+        if not self._in_trio or step.nbytes >= RAW_BYTES:
+            self._frame_batch()
             self._send(POST, step, now=False)
             return
-        self._held = step
+        self._seq += 1
+        step.seq = self._seq
+        self._steps[step.seq] = step
+        self._batch.append(step)
         self._room.set()
 
     def held(self) -> Step | None:
         """The last posted step if it is not yet framed: the caller may still change its
         arguments (``Engine.post``'s ``merge``). Nothing was sent after it."""
-        return self._held
+        return self._batch[-1] if self._batch else None
 
-    def _frame_held(self) -> None:
-        """Frame the held step (``post``) after everything sent before it. One that is not
-        data (a bug) was answered already, and whoever frames it is not its caller: it is
-        a change lost after its answer, as when a posted step fails in the writer, so
-        every later change fails until a remount."""
-        step, self._held = self._held, None
-        if step is None:
+    def _frame_batch(self) -> None:
+        """Frame the posted steps not yet framed (``post``), after everything sent before
+        them, as one BATCH frame. One that is not data (a bug) was answered already, and
+        whoever frames it is not its caller: it is a change lost after its answer, as
+        when a posted step fails in the writer, so it and every later change fail until
+        a remount; those before it go."""
+        steps, self._batch = self._batch, []
+        if not steps:
             return
-        try:
-            self._send(POST, step, now=False)
-        except TypeError as e:
-            log.critical("%s: an answered change is lost; the filesystem refuses changes "
-                         "until it is remounted", e)
-            if self.failed is None:
-                self.failed = FsError(errno.EIO, f"a change could not be sent to the writer "
-                                                 f"process ({e}); remount the filesystem")
-            self._fail([step])
+        if self.failed is None:
+            try:
+                self._write(_batch_frame(steps), now=False)
+                return
+            except Exception:       # pickle's errors vary: find the step that is not data
+                steps = self._frame_data_prefix(steps)
+        # the writer died (_writer_gone failed these already), or they come after a step
+        # that is not data
+        self._fail([step for step in steps if self._steps.pop(step.seq, None) is not None])
+
+    def _frame_data_prefix(self, steps: list[Step]) -> list[Step]:
+        """Frame the steps before the first that cannot be pickled; mark the mount failed
+        by that one; return it and those after it."""
+        for i, step in enumerate(steps):
+            try:
+                pickle.dumps(_batched(step), protocol=5)
+            except Exception as e:
+                problem = f"a {step.kind} step is not data: {step.fn!r}: {e}"
+                break
+        else:
+            problem = "posted steps that could not be pickled together"
+            i = len(steps)
+        if i:
+            self._write(_batch_frame(steps[:i]), now=False)
+        log.critical("%s: an answered change is lost; the filesystem refuses changes until "
+                     "it is remounted", problem)
+        if self.failed is None:
+            self.failed = FsError(errno.EIO, f"a change could not be sent to the writer "
+                                             f"process ({problem}); remount the filesystem")
+        return steps[i:]
 
     def answers_early(self) -> bool:
         return self._answers_early and self.failed is None
@@ -224,7 +260,7 @@ class WriterProcess:
         if self._reader is None and not self._gone:
             os.set_blocking(self._replies_fd, True)
             self._start_reader()
-        self._frame_held()      # after everything unsent, with it
+        self._frame_batch()     # after everything unsent, with it
         if self._proc.poll() is None:
             with contextlib.suppress(OSError):     # it died: its replies' reader has said so
                 os.set_blocking(self._out_fd, True)
@@ -244,9 +280,10 @@ class WriterProcess:
         ``_steps.pop`` that finds it answers it, once)."""
         self._seq += 1
         step.seq = self._seq
+        body = (step.kind, step.fn, step.args, step.nbytes) if op != POST else \
+            (step.kind, step.fn, step.args, step.nbytes, step.predicted)
         try:
-            frame = _frame(op, step.seq, (step.kind, step.fn, step.args, step.nbytes),
-                           raw=step.nbytes >= RAW_BYTES)
+            frame = _frame(op, step.seq, body, raw=step.nbytes >= RAW_BYTES)
         except Exception as e:          # not data (committer.Step): this call fails
             raise TypeError(f"a {step.kind} step is not data: {step.fn!r}: {e}") from None
         self._steps[step.seq] = step
@@ -293,7 +330,7 @@ class WriterProcess:
             if not self._raw_unsent:
                 await trio.sleep(POST_DELAY)
             self._room = trio.Event()
-            self._frame_held()
+            self._frame_batch()
             if not self._raw_unsent:
                 try:
                     self._write_small()
@@ -321,7 +358,7 @@ class WriterProcess:
         ends (it exited: ``_writer_gone``) or trio does (``stop`` reads the rest)."""
         while True:
             await trio.lowlevel.wait_readable(self._replies_fd)
-            if not self._take_replies():
+            if not self._take_replies(_call):
                 break
         await trio.to_thread.run_sync(self._proc.wait)     # it has closed its end: exiting
         self._writer_gone()
@@ -329,14 +366,15 @@ class WriterProcess:
     def _read(self) -> None:
         """The reader thread (outside trio)."""
         try:
-            self._take_replies()
+            self._take_replies(self._relay)
         finally:
             self._writer_gone()
 
-    def _take_replies(self) -> bool:
-        """Read and deliver what the writer sent: until the pipe is empty (if it does not
-        block) or ends. False: it ended, or sent what cannot be read or applied (a bug:
-        nothing more from it can be trusted, so it is stopped)."""
+    def _take_replies(self, call) -> bool:
+        """Read and deliver what the writer sent, calling the callbacks through ``call``:
+        until the pipe is empty (if it does not block) or ends. False: it ended, or sent
+        what cannot be read or applied (a bug: nothing more from it can be trusted, so it
+        is stopped)."""
         replies = self._replies
         while True:
             try:
@@ -358,32 +396,40 @@ class WriterProcess:
                 if frame is None:
                     break
                 try:
-                    self._deliver(frame)
+                    self._deliver(frame, call)
                 except Exception:
                     log.exception("a reply from the writer process could not be applied "
                                   "(a bug); stopping it")
                     self._proc.kill()
                     return False
 
-    def _deliver(self, frame: tuple) -> None:
+    def _deliver(self, frame: tuple, call) -> None:
         kind, *rest = frame
         self._answers_early = rest[-1]
         if kind == "reply":
             step = self._answered(rest[0])
-            step.done(step)
+            call(step.done, step)
         elif kind == "ran":
-            self._on_ran([self._answered(outcome) for outcome in rest[0]], 0)
+            call(self._on_ran, [self._answered(outcome) for outcome in rest[0]], 0)
         elif kind == "committed":
             n, txn_no, ran = rest[0], rest[1], rest[2]
             if ran:
-                self._on_ran([self._answered(outcome) for outcome in ran], txn_no)
-            self._committed(n, txn_no)
+                call(self._on_ran, [self._settled(item, txn_no) if type(item) is int
+                                    else self._answered(item) for item in ran], txn_no)
+            call(self._committed, n, txn_no)
 
     def _answered(self, outcome: tuple) -> Step:
         seq, result, error, marks, records, txn_no, live = outcome
         step = self._steps.pop(seq)
         step.result, step.error, step.marks, step.records = result, error, marks, records
         step.txn_no, step.live, step.replied = txn_no, live, True
+        return step
+
+    def _settled(self, seq: int, txn_no: int) -> Step:
+        """A posted step told by its number: it ran without error in transaction
+        ``txn_no``, which is committed, and wrote what it was answered with."""
+        step = self._steps.pop(seq)
+        step.txn_no, step.replied = txn_no, True
         return step
 
     def _writer_gone(self) -> None:
@@ -405,7 +451,8 @@ class WriterProcess:
         self._fail(left)
 
     def _fail(self, steps: list[Step]) -> None:
-        """Answer ``steps`` with ``failed``, as the committer answers steps it refuses."""
+        """Answer ``steps`` with ``failed``, as the committer answers steps it refuses
+        (through ``relay``: the caller may be on its way to sending one of them)."""
         posted = []
         for step in steps:       # an error each: one raised again and again keeps every
             step.error = FsError(*self.failed.args)     # traceback it was raised through
@@ -413,12 +460,12 @@ class WriterProcess:
             if step.posted is not None:
                 posted.append(step)
             else:
-                step.done(step)
+                self._relay(step.done, step)
         if posted:
-            self._on_ran(posted, 0)
+            self._relay(self._on_ran, posted, 0)
         live = sum(1 for step in steps if step.kind == LIVE)
         if live:
-            self._committed(live, 0)    # counted as pending by the engine: never will be
+            self._relay(self._committed, live, 0)   # counted as pending: never will be
 
 
 class _Replies:
@@ -466,6 +513,22 @@ def _trio_running() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _batched(step: Step) -> tuple:
+    """What a BATCH frame holds of a posted step."""
+    return step.fn, step.args, step.nbytes, step.predicted
+
+
+def _batch_frame(steps: list[Step]) -> list[memoryview]:
+    """One frame of posted steps with consecutive numbers (``post``)."""
+    pickled = pickle.dumps([_batched(step) for step in steps], protocol=5)
+    return [memoryview(_HEAD.pack(HEADER.size + len(pickled), BATCH, steps[0].seq,
+                                  len(steps)) + pickled)]
+
+
+def _call(fn, *args) -> None:
+    fn(*args)
 
 
 def _frame(op: int, seq: int, body=None, raw: bool = False) -> list[memoryview]:
@@ -584,7 +647,7 @@ class _Writer:
             live = store.live_epoch(txn)
         self.committer = Committer(store, live, self._committed, self._ran)
         self.prealloc = Preallocator(store)
-        self.ran: list[tuple] = []      # outcomes of posted steps not yet told (see _ran)
+        self.ran: list[Step] = []       # posted steps that ran, not yet told (see _ran)
 
     def serve(self, incoming) -> None:
         self.committer.start()
@@ -606,17 +669,38 @@ class _Writer:
             op, seq, pickled = HEADER.unpack_from(frame)
             if op == STOP:
                 return
-            self._submit(op, seq, memoryview(frame)[HEADER.size:], pickled)
+            if op == BATCH:
+                self._submit_batch(seq, pickled, memoryview(frame)[HEADER.size:])
+            else:
+                self._submit(op, seq, memoryview(frame)[HEADER.size:], pickled)
+
+    def _submit_batch(self, first: int, count: int, body: memoryview) -> None:
+        """Post the ``count`` steps of a BATCH frame, numbered from ``first``. One that
+        cannot be read (a bug) fails them all, as if each had raised."""
+        try:
+            steps = pickle.loads(body)
+            if len(steps) != count:
+                raise ValueError(f"{len(steps)} steps in a batch of {count}")
+        except Exception as e:
+            steps = [(_unreadable, (f"{type(e).__name__}: {e}",), 0, {})] * count
+        for seq, (fn, args, nbytes, predicted) in enumerate(steps, first):
+            self._post(seq, fn, args, nbytes, predicted)
+
+    def _post(self, seq: int, fn, args: tuple, nbytes: int, predicted: dict) -> None:
+        step = Step(LIVE, fn, args, nbytes, posted=())
+        step.seq, step.predicted = seq, predicted
+        self.committer.post(step)
 
     def _submit(self, op: int, seq: int, body: memoryview, pickled: int) -> None:
+        predicted = {}
         try:
-            kind, fn, args, nbytes = _body(body, pickled)
+            kind, fn, args, nbytes, *rest = _body(body, pickled)
+            if op == POST:
+                predicted, = rest
         except Exception as e:          # a bug: this step fails, as if it had raised
             kind, fn, args, nbytes = LIVE, _unreadable, (f"{type(e).__name__}: {e}",), 0
         if op == POST:
-            step = Step(LIVE, fn, args, nbytes, posted=())
-            step.seq = seq
-            self.committer.post(step)
+            self._post(seq, fn, args, nbytes, predicted)
         else:
             step = Step(kind, fn, args, nbytes, done=self._reply)
             step.seq = seq
@@ -631,18 +715,21 @@ class _Writer:
         a reply, or when the writer stops; nobody waits for them meanwhile. One that failed
         is told at once: an answered change is lost, and the mount must stop answering
         changes before they run now, not at a commit a long COMMIT_DELAY puts off."""
-        self.ran.extend(_outcome(step) for step in steps)
+        self.ran.extend(steps)
         if any(step.error is not None for step in steps):
             self._tell_ran()
 
     def _tell_ran(self) -> None:
         if self.ran:
             ran, self.ran = self.ran, []
-            self._send("ran", ran)
+            self._send("ran", [_outcome(step) for step in ran])
 
     def _committed(self, n: int, txn_no: int) -> None:
+        """Told with the commit of transaction ``txn_no``: the posted steps that ran since
+        the last telling, each by its number alone if it is settled (``_settled``)."""
         ran, self.ran = self.ran, []
-        self._send("committed", n, txn_no, ran)
+        self._send("committed", n, txn_no,
+                   [step.seq if _settled(step, txn_no) else _outcome(step) for step in ran])
         self.prealloc.wake()
 
     def _send(self, kind: str, *body) -> None:
@@ -657,6 +744,18 @@ class _Writer:
 def _unreadable(live, problem: str) -> None:
     """The step of a frame the writer could not read."""
     raise FsError(errno.EIO, f"the writer process could not read a step ({problem})")
+
+
+def _settled(step: Step, txn_no: int) -> bool:
+    """Whether a posted step ran without error in transaction ``txn_no`` (being told
+    committed) and wrote the records it was answered with (``predicted``; a record it did
+    not write, or deleted, is not a difference): the mount has nothing left to note of it,
+    and nothing to check (it logs the difference of one that did not)."""
+    if step.error is not None or step.txn_no != txn_no:
+        return False
+    records = step.records
+    return all(records.get(key, value) in (value, None)
+               for key, value in step.predicted.items())
 
 
 def _outcome(step: Step) -> tuple:

@@ -98,7 +98,7 @@ def test_commits_leave_nothing_of_the_changes_they_end(tmp_path):
         def counted(steps, committed):      # the shortcut must be what is tested
             told_with_commit.extend(s for s in steps if committed and s.txn_no == committed)
             ran(steps, committed)
-        engine._ran = counted
+        engine._committer._on_ran = counted     # what the writer's replies call
         await _workload(ops, engine, ctx)
         await engine.files.flush_all()
         await engine.sync()             # its reply comes after every commit's news
@@ -157,7 +157,7 @@ def _count_steps(engine: Engine, fn, into: list) -> None:
     def counted(steps, committed):
         into.extend(step for step in steps if step.fn is fn)
         ran(steps, committed)
-    engine._ran = counted
+    engine._committer._on_ran = counted     # what the writer's replies call
 
 
 def test_consecutive_attribute_changes_of_a_file_are_one_step(tmp_path):

@@ -101,6 +101,27 @@ def test_posted_steps_go_to_the_writer_by_themselves(tmp_path):
     assert [step.error for step in ran] == [None] * 3
 
 
+def test_a_posted_step_is_told_by_its_number_only_if_it_wrote_what_it_answered(tmp_path):
+    """Posted steps go in one frame and come back with their commit: one that wrote the
+    records its caller answered with (``predicted``) is told by its number alone, nothing
+    of what it wrote unpickled on the trio thread; one that wrote others comes back whole,
+    so that the mount can log the difference (``Engine._ran``). (One that failed is told
+    whole, at once: ``test_a_failed_posted_step_is_told_at_once``.)"""
+    async def post_and_wait(writer: WriterProcess, ran: list[Step]) -> None:
+        steps = [_create_step(name, posted=((S.ROOT_INO, name),)) for name in (b"a", b"b")]
+        steps[1].predicted = {(S.ROOT_INO, b"b"): S.MAX_INO}     # not the inode it makes
+        for step in steps:
+            writer.post(step)
+        with trio.fail_after(30):
+            while len(ran) < 2:
+                await trio.sleep(0.01)
+
+    _, ran = _with_writer(tmp_path, post_and_wait)
+    settled, wrong = ran
+    assert settled.error is None and settled.records == {} and settled.marks == set()
+    assert wrong.error is None and wrong.records[S.ROOT_INO, b"b"] > S.ROOT_INO
+
+
 def test_a_failed_posted_step_is_told_at_once(tmp_path, monkeypatch):
     """A posted step that fails is a change lost after its answer: from then on nothing may
     be answered before it runs. The mount hears of it when it happens, not with the next
@@ -217,6 +238,27 @@ def test_a_posted_step_that_is_not_data_fails_itself_not_the_mount(tmp_path):
     assert ran[0].error.errno == errno.EIO and "not data" in str(ran[0].error)
     assert not answers_early
     assert [step.error.errno for step in later] == [errno.EIO], "a later change went on"
+
+
+def test_a_step_that_is_not_data_amid_posted_ones_loses_it_and_those_after(tmp_path):
+    """Posted steps go to the writer in one frame. If one of them is not data, those
+    posted before it still go and run; it and those after it were answered too, but
+    cannot follow it: each is told failed, and the mount answers no change early."""
+    async def post_and_wait(writer: WriterProcess, ran: list[Step]) -> bool:
+        writer.post(_create_step(b"before", posted=()))
+        writer.post(Step(LIVE, lambda live: None, posted=()))
+        writer.post(_create_step(b"after", posted=()))
+        with trio.fail_after(30):
+            while len(ran) < 3:
+                await trio.sleep(0.01)
+        return writer.answers_early()
+
+    answers_early, ran = _with_writer(tmp_path, post_and_wait)
+    by_name = {step.args[1] if step.fn is Live.create else None: step for step in ran}
+    assert by_name[b"before"].error is None
+    assert by_name[None].error.errno == by_name[b"after"].error.errno == errno.EIO
+    assert "not data" in str(by_name[None].error)
+    assert not answers_early
 
 
 def _chunk_step(ino: int, chunks: list[bytes], done) -> Step:
