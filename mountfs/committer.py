@@ -100,8 +100,23 @@ class Step:
                                     # None: gone); (directory, name) -> the inode (0: none)
         self.txn_no = 0             # the transaction a live step ran in
         self.predicted: dict = {}   # a posted step: the records its caller answered with
-        self.live = 0               # a TXN step: the live epoch it left
+                                    # (inode -> S.Inode, its mepoch aside; entries as in
+                                    # ``records``): see ``mispredicted``
+        self.live = 0               # a TXN step: the live epoch it left; a LIVE step: the
+                                    # live epoch it ran in
         self.seq = 0                # its number between the mount and the writer process
+
+
+def mispredicted(step: Step) -> list:
+    """The keys of the records a posted step was answered with (``predicted``) that it
+    wrote otherwise (one it did not write, or deleted, is no difference): none, unless a
+    bug made the trio thread answer with records the step does not write."""
+    records, live = step.records, step.live
+    if not records:
+        return []
+    return [key for key, value in step.predicted.items()
+            if records.get(key) not in (None, value.pack_at(live) if type(value) is S.Inode
+                                        else value)]
 
 
 _WAKE = Step("wake")            # a posted step is waiting (Committer.post)
@@ -318,7 +333,7 @@ class Committer:
         self._deadline = time.monotonic() + COMMIT_DELAY
 
     def _run_nested(self, step: Step) -> None:
-        step.txn_no = self._txn_no
+        step.txn_no, step.live = self._txn_no, self._live_epoch
         try:
             with self.store.env.begin(write=True, parent=self._txn, buffers=True) as child:
                 recorder = _Recorder(child, self._deferred_buckets)

@@ -25,7 +25,7 @@ import trio
 
 from . import gc, snapshots
 from . import schema as S
-from .committer import COMMIT, LIVE, LOOK, SYNC, TXN, Step
+from .committer import COMMIT, LIVE, LOOK, SYNC, TXN, Step, mispredicted
 from .filecache import INLINE_HASH, FileCache
 from .mapread import resident
 from .namespace import FsError, Live, View
@@ -64,7 +64,9 @@ class Engine:
         self._dirty: dict = {}                      # mark -> transaction that changed it last
         self._dirty_in: dict[int, list] = {}        # transaction -> marks of its steps
         self._records: dict = {}                    # what the last change of a dirty mark
-                                                    # wrote (see Step.records)
+                                                    # wrote (see Step.records; an inode's
+                                                    # record packed as the writer told it,
+                                                    # or unpacked: ``known_inode``)
         self._posted: dict = {}                     # mark -> posted steps not yet run
         self._inflight = 0                          # awaited changes sent, not answered
         self._posted_bytes = 0                      # chunk data of posted steps not yet run
@@ -181,8 +183,10 @@ class Engine:
         committed one, or the one the last uncommitted change wrote (or, posted, will
         write); None if only the committer knows it."""
         if self._uncommitted and (ino in self._dirty or ino in self._posted):    # dirty()
-            raw = self._records.get(ino)
-            return None if raw is None else S.Inode.unpack(raw)
+            rec = self._records.get(ino)
+            if type(rec) is bytes:          # as the writer told it (``_note``): once
+                rec = self._records[ino] = S.Inode.unpack(rec)
+            return rec
         return self._look_now(lambda v: v.get(ino), None)
 
     async def look(self, fn, epoch: int | None = None, io: bool = False, marks=None):
@@ -312,9 +316,9 @@ class Engine:
         if merge is not None and self._merged(fn, args, marks, records, merge):
             return
         step = Step(LIVE, fn, args, nbytes, posted=marks)
-        step.predicted = self._packed(records)  # first: one that cannot be leaves no count
+        step.predicted = records or {}
         self._committer.post(step)     # first: a step that is not data goes no further
-                                       # (or, held to be framed later, fails as a lost change)
+                                       # (or, framed later, fails as a lost change)
         self.changes += 1
         self._uncommitted += 1
         self._posted_bytes += nbytes
@@ -333,7 +337,7 @@ class Engine:
         if joined is None:
             return False
         step.args = joined
-        step.predicted.update(self._packed(records))
+        step.predicted.update(records or {})
         self.changes += 1
         self._records.update(step.predicted)
         return True
@@ -353,12 +357,6 @@ class Engine:
         step.predicted.pop(mark, None)
         self._records.pop(mark, None)
         return True
-
-    def _packed(self, records: dict | None) -> dict:
-        """``post``'s ``records`` as ``known_inode`` and ``known_entry`` keep them: inode
-        records packed in the live epoch."""
-        return {key: value.pack_at(self.live) if isinstance(value, S.Inode) else value
-                for key, value in (records or {}).items()}
 
     async def mutate_in_thread(self, fn, *args):
         """Run ``fn(txn, dbs, *args)`` in a transaction of its own, committed before it
@@ -431,8 +429,7 @@ class Engine:
             if not (committed and step.txn_no == committed):
                 self._note(step)
             self._forget_records(step)      # after _note: only what nothing holds
-            wrong = [key for key, value in step.predicted.items()
-                     if step.records.get(key, value) not in (value, None)]
+            wrong = mispredicted(step)
             if wrong and step.error is None:
                 log.error("a posted change answered records that differ from what it wrote "
                           "(%s): a bug; its callers may have seen wrong attributes", wrong)

@@ -50,6 +50,9 @@ ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
 CAPABILITY = b"security.capability"
 CAPABILITY_MEMORY = 1 << 16     # inodes remembered without one, at most
 PATH_DEPTH = 2048                # names in a path at most (PATH_MAX is 4096 bytes)
+TIME_NS = (-(1 << 63), (1 << 63) - 1)   # the times a record holds (signed 64-bit ns: 1677 to
+                                        # 2262): others are clamped, as ext4 and XFS clamp
+                                        # to their range
 
 
 def guard(fn):
@@ -347,11 +350,11 @@ class Operations(pyfuse3.Operations):
             if fields.update_gid:
                 changes["gid"] = attr.st_gid
         if fields.update_atime:
-            changes["atime_ns"] = attr.st_atime_ns
+            changes["atime_ns"] = _clamped(attr.st_atime_ns)
         if fields.update_mtime:
-            changes["mtime_ns"] = attr.st_mtime_ns
+            changes["mtime_ns"] = _clamped(attr.st_mtime_ns)
         if fields.update_ctime:
-            changes["ctime_ns"] = attr.st_ctime_ns
+            changes["ctime_ns"] = _clamped(attr.st_ctime_ns)
         if changes:
             changes.setdefault("ctime_ns", time.time_ns())
             rec = self._post_setattr(inode, changes)
@@ -1018,6 +1021,12 @@ def _create(live, now: int, ino: int, *args) -> None:
     writes the records the caller answered with (``namespace.created``)."""
     live.now = now
     live.create(*args, ino=ino)
+
+
+def _clamped(ns: int) -> int:
+    """A time as a record can hold it (TIME_NS)."""
+    low, high = TIME_NS
+    return low if ns < low else high if ns > high else ns
 
 
 def _changed(rec: S.Inode, changes: dict) -> S.Inode:

@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# Every posted step's answer is checked against what it wrote, not one in CHECKED_EVERY
+# (mountfs.writer): a test that makes the trio thread answer wrongly must hear of it.
+os.environ["MOUNTFS_CHECK_ANSWERS"] = "1"
 
 
 def fuse_missing() -> str | None:
