@@ -30,7 +30,7 @@ from .filecache import INLINE_HASH, FileCache
 from .mapread import resident
 from .namespace import FsError, Live, View
 from .store import Store
-from .writer import WriterProcess
+from .writer import RAW_BYTES, WriterProcess
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ class Engine:
         self._inflight = 0                          # awaited changes sent, not answered
         self._posted_bytes = 0                      # chunk data of posted steps not yet run
         self._inos = range(0)                       # reserved numbers for posted creates
+        self._last_post: tuple | None = None        # (step, fn, marks) of the last change
+                                                    # posted (``post``)
         self.changes = 0                            # live changes and TXN steps sent, and
                                                     # awaited ones answered, so far
         self._absent: tuple | None = None           # (parent, name, changes): note_absent
@@ -309,51 +311,74 @@ class Engine:
         through the committer. A posted step that fails is a change lost after its
         answer, like a failed commit: the committer then refuses every later change.
 
-        ``merge(args, later)``: the arguments of one step doing what ``fn`` with ``args``
+        ``merge(args, later)``: the arguments of one change doing what ``fn`` with ``args``
         then with ``later`` do, or None. With it, a change posted right after another of
-        ``fn`` with the same marks joins that step while it is not yet sent (tar's three
-        SETATTRs of a file become one step)."""
+        ``fn`` with the same marks becomes one with it (tar's three SETATTRs of a file
+        become one).
+
+        A change posted while the step posted last is not yet sent joins that step
+        (``_joined``), unless its chunk data travels raw: one step per batch, not per
+        change, to frame, run, tell and note (a created file's create and its data were
+        two). The writer runs a step in a nested transaction of its own, so a change
+        that fails there takes those it joined with it: both are lost changes after their
+        answers, and the mount refuses every later change either way."""
+        records = records or {}
         if merge is not None and self._merged(fn, args, marks, records, merge):
             return
-        step = Step(LIVE, fn, args, nbytes, posted=marks)
-        step.predicted = records or {}
-        self._committer.post(step)     # first: a step that is not data goes no further
-                                       # (or, framed later, fails as a lost change)
+        step = self._committer.held()
+        if step is not None and nbytes < RAW_BYTES:
+            _join(step, fn, args, marks, nbytes)
+            step.predicted.update(records)
+        else:
+            step = Step(LIVE, fn, args, nbytes, posted=marks)
+            step.predicted = dict(records)
+            self._committer.post(step)  # first: a step that is not data goes no further
+                                        # (or, framed later, fails as a lost change)
+            self._uncommitted += 1
+        self._last_post = (step, fn, marks)
         self.changes += 1
-        self._uncommitted += 1
         self._posted_bytes += nbytes
         for mark in marks:
             self._posted[mark] = self._posted.get(mark, 0) + 1
             self._records.pop(mark, None)
-        self._records.update(step.predicted)
+        self._records.update(records)
+
+    def _last_held(self) -> tuple | None:
+        """(step, fn, marks) of the change posted last, if its step is not yet sent."""
+        last = self._last_post
+        if last is None or self._committer is None or last[0] is not self._committer.held():
+            return None
+        return last
 
     def _merged(self, fn, args, marks, records, merge) -> bool:
-        """Join the change to the last posted step if it is ``fn``'s, with the same marks
-        and no chunk data, and not yet sent (see ``post``)."""
-        step = self._committer.held()
-        if step is None or step.fn is not fn or step.posted != marks or step.nbytes:
+        """Make the change one with the change posted last if that is ``fn``'s, with the
+        same marks, and not yet sent (see ``post``)."""
+        last = self._last_held()
+        if last is None or last[1] is not fn or last[2] != marks:
             return False
-        joined = merge(step.args, args)
+        step = last[0]
+        joined = merge(_last_args(step), args)
         if joined is None:
             return False
-        step.args = joined
-        step.predicted.update(records or {})
+        _set_last_args(step, joined)
+        step.predicted.update(records)
         self.changes += 1
-        self._records.update(step.predicted)
+        self._records.update(records)
         return True
 
     def amend_held(self, fn, mark, change) -> bool:
-        """Have the last posted step do more while it is not yet sent: if it is ``fn``'s
+        """Have the change posted last do more while it is not yet sent: if it is ``fn``'s
         with ``mark`` its first mark, its arguments become ``change(args)`` (None: leave
         it). The record it was answered with for ``mark`` goes, so that reads of ``mark``
-        wait for the step. No name changes (``changes`` stays). Whether it changed."""
-        step = self._committer.held() if self._committer is not None else None
-        if step is None or step.fn is not fn or not step.posted or step.posted[0] != mark:
+        wait for its step. No name changes (``changes`` stays). Whether it changed."""
+        last = self._last_held()
+        if last is None or last[1] is not fn or not last[2] or last[2][0] != mark:
             return False
-        args = change(step.args)
+        step = last[0]
+        args = change(_last_args(step))
         if args is None:
             return False
-        step.args = args
+        _set_last_args(step, args)
         step.predicted.pop(mark, None)
         self._records.pop(mark, None)
         return True
@@ -630,6 +655,41 @@ def _post(token: trio.lowlevel.TrioToken, fn, *args) -> None:
         token.run_sync_soon(fn, *args)
     except trio.RunFinishedError:
         pass
+
+
+def _joined(live: Live, calls: list) -> None:
+    """A posted step made of several changes posted one after the other (``Engine.post``):
+    ``calls``, (function, arguments) each, in order."""
+    for fn, args in calls:
+        fn(live, *args)
+
+
+def posted_calls(step: Step) -> list:
+    """The changes a posted step makes, (function, arguments) each, in order."""
+    return step.args[0] if step.fn is _joined else [(step.fn, step.args)]
+
+
+def _join(step: Step, fn, args: tuple, marks, nbytes: int) -> None:
+    """Have ``step``, posted and not yet sent, make the change ``fn(live, *args)`` too,
+    after its own."""
+    if step.fn is not _joined:
+        step.fn, step.args = _joined, ([(step.fn, step.args)],)
+        step.posted = list(step.posted)
+    step.args[0].append((fn, args))
+    step.posted.extend(marks)
+    step.nbytes += nbytes
+
+
+def _last_args(step: Step) -> tuple:
+    return step.args[0][-1][1] if step.fn is _joined else step.args
+
+
+def _set_last_args(step: Step, args: tuple) -> None:
+    if step.fn is _joined:
+        calls = step.args[0]
+        calls[-1] = (calls[-1][0], args)
+    else:
+        step.args = args
 
 
 def _destroy_all_orphans(live: Live) -> int:

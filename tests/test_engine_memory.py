@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from conftest import cli
-from mountfs.engine import Engine
+from mountfs.engine import Engine, posted_calls
 from mountfs.namespace import FsError, View
 from mountfs.ops import Operations, _destroy_orphans, _setattr
 from mountfs.store import Store
@@ -96,7 +96,8 @@ def test_commits_leave_nothing_of_the_changes_they_end(tmp_path):
         ran = engine._ran
 
         def counted(steps, committed):      # the shortcut must be what is tested
-            told_with_commit.extend(s for s in steps if committed and s.txn_no == committed)
+            told_with_commit.extend(call for s in steps if committed and s.txn_no == committed
+                                    for call in posted_calls(s))
             ran(steps, committed)
         engine._committer._on_ran = counted     # what the writer's replies call
         await _workload(ops, engine, ctx)
@@ -151,11 +152,12 @@ async def _tar_attributes(ops: Operations, ino: int, fh: int, mtime: int, mode: 
 
 
 def _count_steps(engine: Engine, fn, into: list) -> None:
-    """Append to ``into`` every posted step of ``fn`` as the writer reports it run."""
+    """Append to ``into`` the arguments of every posted change of ``fn`` as the writer
+    reports it run (changes posted one after the other share a step: ``posted_calls``)."""
     ran = engine._ran
 
     def counted(steps, committed):
-        into.extend(step for step in steps if step.fn is fn)
+        into.extend(args for step in steps for call, args in posted_calls(step) if call is fn)
         ran(steps, committed)
     engine._committer._on_ran = counted     # what the writer's replies call
 
@@ -253,7 +255,7 @@ def test_a_file_forgotten_right_after_its_unlink_is_deleted_by_the_unlinks_step(
         left.update(_memory(engine))
 
     _run_engine(path, body)
-    deleted_apart = sorted(ino for step in destroys for ino in step.args[0])
+    deleted_apart = sorted(ino for args in destroys for ino in args[0])
     assert deleted_apart == sorted(inos[i] for i in (30, 31, 33, 34)), \
         f"the inodes deleted by steps of their own: {deleted_apart}, of {inos}"
     assert left == EMPTY
