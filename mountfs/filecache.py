@@ -37,7 +37,9 @@ DIRTY_LIMIT = _dirty_limit()
 DIRTY_EXPIRE = env_duration("MOUNTFS_DIRTY_EXPIRE", "30")
 HASH_THREADS = trio.CapacityLimiter(2)
 INLINE_HASH = 64 << 10          # hashing this much takes microseconds: less than a thread hop
-                                # (a commit here; a first read in Engine.verify)
+                                # (a first read in Engine.verify); a commit of no more than
+                                # this is hashed by the writer process, beside the trio thread
+                                # (a tar member of 24 KiB cost it 6 µs)
 STEP_BYTES = 8 << 20            # chunk data committed in one step at most: a step's frame
                                 # stays below glibc's mmap threshold, so the writer process
                                 # reuses its buffers (64 MiB steps were each a fresh mapping,
@@ -77,12 +79,12 @@ class DirtyChunk:
         return self.ranges == [(0, size)]
 
     def wrote(self, start: int, end: int) -> None:
-        """Note [start, end) as written: appended (a write costs O(1)), merged into sorted,
-        disjoint ranges when they are looked at or grow many."""
-        if self.ranges is not None:
-            self.ranges.append((start, end))
-            if len(self.ranges) > 1024:     # at most 1 MiB / 4 KiB distinct ones
-                self._normalise()
+        """Note [start, end) as written (only ranges of the chunk are buffered): appended
+        (a write costs O(1)), merged into sorted, disjoint ranges when they are looked at
+        or grow many."""
+        self.ranges.append((start, end))
+        if len(self.ranges) > 1024:     # at most 1 MiB / 4 KiB distinct ones
+            self._normalise()
 
     def _normalise(self) -> None:
         merged: list[tuple[int, int]] = []
@@ -284,7 +286,8 @@ class FileCache:
             if len(data) < within:
                 data.extend(bytes(within - len(data)))
             data[within:within + take] = view_data[pos:pos + take]
-            dc.wrote(within, within + take)
+            if dc.ranges is not None:
+                dc.wrote(within, within + take)
             dc.gen += 1
             if within + take == cs and dc.complete(cs):
                 full.append(idx)
@@ -297,7 +300,8 @@ class FileCache:
         while self.dirty_bytes > DIRTY_LIMIT and of.error is None:
             self._flush_later(of, sorted(of.dirty))
             await self._wait_flushed()
-        await self._hold_back(of)
+        if of.queued > FLUSH_AHEAD:
+            await self._hold_back(of)
         return len(buf)
 
     async def _hold_back(self, of: OpenFile) -> None:
@@ -441,7 +445,7 @@ class FileCache:
         size, mtime = of.size, of.mtime_ns
         datas = [data for _, _, _, data in copies]
         if sum(map(len, datas)) <= INLINE_HASH:
-            digests = [chunk_digest(d) for d in datas]
+            digests = [None] * len(datas)       # the step hashes them, in the writer
         else:
             digests = await trio.to_thread.run_sync(
                 lambda: [chunk_digest(d) for d in datas], limiter=HASH_THREADS)
@@ -504,9 +508,10 @@ class FileCache:
 
 # ---- the steps that commit a file's buffers (run by the committer: data in, data out) ----
 
-def _commit_chunks(live, ino: int, chunks: list[tuple[int, bytes, bytes]], size: int,
+def _commit_chunks(live, ino: int, chunks: list[tuple[int, bytes | None, bytes]], size: int,
                    now_size: int, mtime: int | None, whole: bool) -> None:
-    """A step: store ``chunks`` (index, digest, data) of ``ino`` and grow its record.
+    """A step: store ``chunks`` (index, digest, data; a digest of None is computed here)
+    of ``ino`` and grow its record.
     ``size`` and ``mtime`` are the file's when the chunks were copied: writes that came
     while waiting for the commit are not in the data and must not be in the committed size
     (a snapshot would show zeros there). ``now_size``: the file's size when the step was
@@ -516,7 +521,7 @@ def _commit_chunks(live, ino: int, chunks: list[tuple[int, bytes, bytes]], size:
     if rec is None:                 # deleted meanwhile (a rollback): drop the data
         return
     for idx, digest, data in chunks:
-        live.put_chunk(ino, idx, digest, data)
+        live.put_chunk(ino, idx, digest or chunk_digest(data), data)
     live.save(ino, grown(rec, live.chunk_size, [idx for idx, _, _ in chunks], size,
                          now_size, mtime, whole))
 

@@ -82,6 +82,7 @@ class Handle:
 
 
 WRITING = os.O_WRONLY | os.O_RDWR | os.O_TRUNC      # open flags of a handle that writes
+_NO_INOS = object()             # Operations._post_create: no inode number reserved
 
 
 class Operations(pyfuse3.Operations):
@@ -95,7 +96,9 @@ class Operations(pyfuse3.Operations):
         self.lookups: dict[int, int] = {}
         self.snap_epochs: dict[int, int] = {}       # snapshot id -> epoch, of known ones
         self.handles: dict[int, Handle] = {}
-        self.releasing: dict[int, set[trio.Event]] = {}   # inode -> RELEASEs in progress
+        self.releasing: dict[int, int] = {}     # inode -> RELEASEs of it in progress
+        self.released = trio.Event()            # set (and made anew) when one of them ends
+        self.release_waiters = 0                # while ``_after_releases`` waits
         self.dirs: dict[int, tuple[int, list]] = {}
         self.next_fh = 1
         self.timeout = READONLY_TIMEOUT if read_only else LIVE_TIMEOUT
@@ -158,7 +161,7 @@ class Operations(pyfuse3.Operations):
         e = pyfuse3.EntryAttributes()
         size, mtime, ctime = rec.size, rec.mtime_ns, rec.ctime_ns
         if live:
-            of = self.engine.files.get(kino)
+            of = self.engine.files.files.get(kino)
             if of is not None:
                 size = of.size
                 if of.mtime_ns is not None:
@@ -194,6 +197,8 @@ class Operations(pyfuse3.Operations):
         return attrs
 
     async def _attrs_of(self, kino: int) -> pyfuse3.EntryAttributes:
+        if kino < VIRT_BASE:
+            return self._attrs(kino, await self.engine.inode(kino), live=True)
         if kino == SNAPDIR_INO:
             return await self._snapdir_attrs()
         epoch, real = self._where(kino)
@@ -413,18 +418,22 @@ class Operations(pyfuse3.Operations):
 
     async def _make(self, parent, name, mode, ctx, rdev=0, target=b""):
         self._check_new_name(parent, name)
-        made = await self._post_create(parent, name, mode, ctx.uid, ctx.gid, rdev, target)
+        made = self._post_create(parent, name, mode, ctx.uid, ctx.gid, rdev, target)
+        if made is _NO_INOS:            # this create waits; the next ones use the block
+            await self.engine.reserve_inos()
+            made = None
         ino, rec = made or await self.engine.mutate(
             Live.create, parent, name, mode, ctx.uid, ctx.gid, rdev, target)
         self._counted(ino)
         self._remember_no_capability(ino)      # new: no xattrs at all
         return self._attrs(ino, rec, live=True)
 
-    async def _post_create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-                           rdev: int, target: bytes) -> tuple[int, S.Inode] | None:
+    def _post_create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                     rdev: int, target: bytes) -> tuple[int, S.Inode] | None:
         """Post the create (Engine.post) when its outcome is known here: the parent's
         record and the entry are known without the committer, so every error the step
-        could meet is raised here instead. None: not posted."""
+        could meet is raised here instead. None: not posted (_NO_INOS: for want of a
+        reserved inode number)."""
         if not self.engine.can_post():
             return None
         check_name(name)
@@ -437,9 +446,8 @@ class Operations(pyfuse3.Operations):
         if child is not None:
             raise FsError(errno.EEXIST)
         ino = self.engine.take_ino()
-        if ino is None:                 # this create waits; the next ones use the block
-            await self.engine.reserve_inos()
-            return None
+        if ino is None:
+            return _NO_INOS
         now = time.time_ns()
         rec, parent_rec = created(prec, parent, name, mode, uid, gid, rdev, target, now)
         self.engine.post(_create, now, ino, parent, name, mode, uid, gid, rdev, target,
@@ -692,31 +700,31 @@ class Operations(pyfuse3.Operations):
         h = self.handles.pop(fh)
         if h.of is None:
             return
-        with self._releasing(h.ino):
+        ino = h.ino
+        self.releasing[ino] = self.releasing.get(ino, 0) + 1    # for ``_after_releases``
+        try:
+            await self.engine.files.release(h.of)
+        finally:
             try:
-                await self.engine.files.release(h.of)
-            finally:
                 if h.of.dropped:    # writes a full disk refused: the kernel still holds
                     # the size their replies gave and the pages read from the buffer (kept
                     # across opens): stat and read must show the committed file instead
-                    await self._drop_kernel_caches([h.ino])
-                if h.ino not in self.lookups:
-                    await self.reap([h.ino])
+                    await self._drop_kernel_caches([ino])
+                if ino not in self.lookups:
+                    await self.reap([ino])
+            finally:
+                self._released(ino)     # last: nothing awaits between it and the reply
 
-    @contextlib.contextmanager
-    def _releasing(self, ino: int):
-        """A RELEASE of ``ino`` in progress, for ``_after_releases``. It ends last: nothing
-        awaits between its end and the reply."""
-        ended = trio.Event()
-        self.releasing.setdefault(ino, set()).add(ended)
-        try:
-            yield
-        finally:
-            others = self.releasing[ino]
-            others.discard(ended)
-            if not others:
-                del self.releasing[ino]
-            ended.set()
+    def _released(self, ino: int) -> None:
+        """A RELEASE of ``ino`` ends."""
+        left = self.releasing[ino] - 1
+        if left:
+            self.releasing[ino] = left
+        else:
+            del self.releasing[ino]
+        if self.release_waiters:
+            released, self.released = self.released, trio.Event()
+            released.set()
 
     async def _after_releases(self, inos) -> None:
         """Return once no RELEASE of ``inos`` is in progress. The kernel sends RELEASE in
@@ -727,8 +735,12 @@ class Operations(pyfuse3.Operations):
         release's makes the kernel send that FORGET before the unlink returns, so the
         user's next call finds the space free, as on a local filesystem."""
         for ino in inos:
-            for ended in list(self.releasing.get(ino, ())):
-                await ended.wait()
+            while ino in self.releasing:
+                self.release_waiters += 1
+                try:
+                    await self.released.wait()
+                finally:
+                    self.release_waiters -= 1
 
     @guard
     async def fsync(self, fh, datasync):
