@@ -262,47 +262,58 @@ class FileCache:
         if of.error is not None:
             err, of.error = of.error, None
             raise FsError(err)
-        cs = self.engine.chunk_size
-        view_data = memoryview(buf)
-        pos = 0
-        full = []
-        while pos < len(buf):
-            idx, within = divmod(off + pos, cs)
-            take = min(cs - within, len(buf) - pos)
-            dc = of.dirty.get(idx)
-            if dc is None and within == 0 and take == cs:      # buffered as it came
-                whole = buf if take == len(buf) and isinstance(buf, bytes) \
-                    else bytes(view_data[pos:pos + take])
-                self._add_dirty(of, idx, DirtyChunk(whole))
-                full.append(idx)
+        cs, n = self.engine.chunk_size, len(buf)
+        idx, within = divmod(off, cs)
+        if within + n <= cs:                    # the usual write: within one chunk
+            if self._write_chunk(of, idx, within, buf):
+                self._queue_full(of, idx)
+        else:
+            view = memoryview(buf)
+            pos = 0
+            while pos < n:
+                idx, within = divmod(off + pos, cs)
+                take = min(cs - within, n - pos)
+                if self._write_chunk(of, idx, within, view[pos:pos + take]):
+                    self._queue_full(of, idx)
                 pos += take
-                continue
-            if dc is None:      # nothing stored past the size: nothing to read back
-                dc = self._add_dirty(of, idx, DirtyChunk(
-                    bytearray(), None if idx * cs >= of.size else []))
-            if not isinstance(dc.data, bytearray):
-                dc.data = bytearray(dc.data)
-            data = dc.data
-            if len(data) < within:
-                data.extend(bytes(within - len(data)))
-            data[within:within + take] = view_data[pos:pos + take]
-            if dc.ranges is not None:
-                dc.wrote(within, within + take)
-            dc.gen += 1
-            if within + take == cs and dc.complete(cs):
-                full.append(idx)
-            pos += take
-        of.size = max(of.size, off + len(buf))
+        if off + n > of.size:
+            of.size = off + n
         of.mtime_ns = time.time_ns()
-        for idx in full:
-            self._queue(of, of.dirty[idx])
-            self._flush_later(of, [idx])
         while self.dirty_bytes > DIRTY_LIMIT and of.error is None:
             self._flush_later(of, sorted(of.dirty))
             await self._wait_flushed()
         if of.queued > FLUSH_AHEAD:
             await self._hold_back(of)
         return len(buf)
+
+    def _write_chunk(self, of: OpenFile, idx: int, within: int, piece) -> bool:
+        """Buffer ``piece`` (bytes or a view of the write) at ``within`` in chunk ``idx``;
+        whether the chunk is now complete (it can be committed without reading back)."""
+        cs = self.engine.chunk_size
+        dc = of.dirty.get(idx)
+        if dc is None and within == 0 and len(piece) == cs:     # buffered as it came
+            self._add_dirty(of, idx, DirtyChunk(piece if type(piece) is bytes
+                                                else bytes(piece)))
+            return True
+        if dc is None:      # nothing stored past the size: nothing to read back
+            dc = self._add_dirty(of, idx, DirtyChunk(
+                bytearray(), None if idx * cs >= of.size else []))
+        data = dc.data
+        if type(data) is not bytearray:
+            data = dc.data = bytearray(data)
+        end = within + len(piece)
+        if len(data) < within:
+            data.extend(bytes(within - len(data)))
+        data[within:end] = piece
+        if dc.ranges is not None:
+            dc.wrote(within, end)
+        dc.gen += 1
+        return end == cs and dc.complete(cs)
+
+    def _queue_full(self, of: OpenFile, idx: int) -> None:
+        """Chunk ``idx`` of ``of`` is complete: its commit starts in the background."""
+        self._queue(of, of.dirty[idx])
+        self._flush_later(of, [idx])
 
     async def _hold_back(self, of: OpenFile) -> None:
         """Past FLUSH_AHEAD of ``of``'s complete chunks waiting for their commit, wait until

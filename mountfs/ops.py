@@ -57,9 +57,9 @@ TIME_NS = (-(1 << 63), (1 << 63) - 1)   # the times a record holds (signed 64-bi
 
 def guard(fn):
     @functools.wraps(fn)
-    async def wrapper(*args, **kwargs):
+    async def wrapper(*args):       # pyfuse3 passes arguments by position
         try:
-            return await fn(*args, **kwargs)
+            return await fn(*args)
         except pyfuse3.FUSEError:
             raise
         except FsError as e:
