@@ -190,12 +190,21 @@ class FileCache:
             # snapshot. Answered at once: the kernel gives up a write's inode lock and pages
             # only with the answer, and telling it needs both (Operations.invalidate).
             return len(buf)
+        if of.error is not None:
+            err, of.error = of.error, None
+            raise FsError(err)
         self.writers += 1
         try:
-            return await self._write(of, off, buf)
+            self._buffer(of, off, buf)
+            while self.dirty_bytes > DIRTY_LIMIT and of.error is None:
+                self._flush_later(of, sorted(of.dirty))
+                await self._wait_flushed()
+            if of.queued > FLUSH_AHEAD:
+                await self._hold_back(of)
+            return len(buf)
         finally:
             self.writers -= 1
-            if self.writers == 0:
+            if self.writers == 0 and self.thawed is not None:   # ``hold`` waits for it
                 self.no_writers.set()
 
     async def hold(self) -> None:
@@ -258,10 +267,8 @@ class FileCache:
             of.size, of.mtime_ns, of.error = size, None, None
         return changed
 
-    async def _write(self, of: OpenFile, off: int, buf: bytes) -> int:
-        if of.error is not None:
-            err, of.error = of.error, None
-            raise FsError(err)
+    def _buffer(self, of: OpenFile, off: int, buf: bytes) -> None:
+        """Buffer a write; the commits of the chunks it completes start."""
         cs, n = self.engine.chunk_size, len(buf)
         idx, within = divmod(off, cs)
         if within + n <= cs:                    # the usual write: within one chunk
@@ -279,12 +286,6 @@ class FileCache:
         if off + n > of.size:
             of.size = off + n
         of.mtime_ns = time.time_ns()
-        while self.dirty_bytes > DIRTY_LIMIT and of.error is None:
-            self._flush_later(of, sorted(of.dirty))
-            await self._wait_flushed()
-        if of.queued > FLUSH_AHEAD:
-            await self._hold_back(of)
-        return len(buf)
 
     def _write_chunk(self, of: OpenFile, idx: int, within: int, piece) -> bool:
         """Buffer ``piece`` (bytes or a view of the write) at ``within`` in chunk ``idx``;

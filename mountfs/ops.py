@@ -83,6 +83,7 @@ class Handle:
 
 WRITING = os.O_WRONLY | os.O_RDWR | os.O_TRUNC      # open flags of a handle that writes
 _NO_INOS = object()             # Operations._post_create: no inode number reserved
+_S_IFMT, _S_IFREG = 0o170000, stat.S_IFREG       # stat.S_ISREG without a call
 
 
 class Operations(pyfuse3.Operations):
@@ -158,8 +159,8 @@ class Operations(pyfuse3.Operations):
     # ---- attributes ----------------------------------------------------------------------
 
     def _attrs(self, kino: int, rec: S.Inode, live: bool) -> pyfuse3.EntryAttributes:
-        e = pyfuse3.EntryAttributes()
-        size, mtime, ctime = rec.size, rec.mtime_ns, rec.ctime_ns
+        e = pyfuse3.EntryAttributes()       # zeroed: generation 0
+        mode, size, mtime, ctime = rec.mode, rec.size, rec.mtime_ns, rec.ctime_ns
         if live:
             of = self.engine.files.files.get(kino)
             if of is not None:
@@ -167,16 +168,16 @@ class Operations(pyfuse3.Operations):
                 if of.mtime_ns is not None:
                     mtime = ctime = of.mtime_ns
         e.st_ino = kino
-        e.generation = 0
         e.entry_timeout = e.attr_timeout = self.timeout if live else SNAP_TIMEOUT
-        e.st_mode = rec.mode
+        e.st_mode = mode
         e.st_nlink = rec.nlink
         e.st_uid = rec.uid
         e.st_gid = rec.gid
         e.st_rdev = rec.rdev
         e.st_size = size
         e.st_blksize = BLKSIZE
-        e.st_blocks = (size + 511) // 512 if stat.S_ISREG(rec.mode) else 0
+        if mode & _S_IFMT == _S_IFREG:
+            e.st_blocks = (size + 511) // 512
         e.st_atime_ns = rec.atime_ns
         e.st_mtime_ns = mtime
         e.st_ctime_ns = ctime
@@ -326,6 +327,8 @@ class Operations(pyfuse3.Operations):
     @guard
     async def setattr(self, inode, attr, fields, fh, ctx):
         behind = self.engine.files.behind
+        if not behind:              # no rollback under way: the usual case
+            return await self._setattr(inode, attr, fields)
         if inode in behind and ctx.pid == self.refresher:
             # ``invalidate``'s chown(-1, -1): it changes nothing, not even the set-id bits
             # the kernel asks to clear on a chown
