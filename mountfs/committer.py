@@ -85,7 +85,7 @@ class Step:
     function and plain arguments, with plain results and errors; never a closure over the
     caller's state."""
     __slots__ = ("kind", "fn", "args", "nbytes", "posted", "result", "error", "replied",
-                 "done", "marks", "records", "predicted", "txn_no", "live", "seq")
+                 "done", "marks", "records", "writes", "predicted", "txn_no", "live", "seq")
 
     def __init__(self, kind: str, fn=None, args=(), nbytes: int = 0, posted=None,
                  done=None):
@@ -98,6 +98,8 @@ class Step:
         self.marks: set = set()     # what a live step wrote (see marks_of)
         self.records: dict = {}     # what it wrote last: inode -> its record (packed;
                                     # None: gone); (directory, name) -> the inode (0: none)
+        self.writes: list | None = None     # (db, key, value) written, until marks and
+                                            # records are made of them (Committer.noted)
         self.txn_no = 0             # the transaction a live step ran in
         self.predicted: dict = {}   # a posted step: the records its caller answered with
                                     # (inode -> S.Inode, its mepoch aside; entries as in
@@ -339,13 +341,19 @@ class Committer:
                 recorder = _Recorder(child, self._deferred_buckets)
                 step.result = step.fn(Live(recorder, self.store.db, self._live_epoch,
                                            self.store.chunk_size), *step.args)
-            self._note_writes(step, recorder.writes)
+            step.writes = recorder.writes       # ``noted`` when they are asked for
         except lmdb.MapFullError as e:
             step.error = FsError(errno.ENOSPC, f"store map is full: {e}")
         except Exception as e:
             step.error = e
 
-    def _note_writes(self, step: Step, writes) -> None:
+    def noted(self, step: Step) -> Step:
+        """``step`` with the marks and records of what it wrote (``marks_of``), made of its
+        writes when first asked for: a posted step told by its number alone (most) never
+        needs them (a third of the writer's work per step went into making them)."""
+        writes, step.writes = step.writes, None
+        if not writes:
+            return step
         inodes, dirents = self.store.db["inodes"], self.store.db["dirents"]
         for db, key, value in writes:
             step.marks.update(marks_of(self._tables[db], key))
@@ -354,6 +362,7 @@ class Committer:
             elif db is dirents:     # a version key; an empty value or none: no entry
                 step.records[S.from_u64(key[:8]), bytes(key[8:-9])] = \
                     S.from_u64(value) if value else 0
+        return step
 
     def _own_transaction(self, step: Step) -> None:
         try:
@@ -409,7 +418,7 @@ class Committer:
                 if not s.replied:
                     s.error = s.error or (error if isinstance(error, (FsError, StoreError))
                                           else FsError(errno.EIO, str(error)))
-                    s.marks, s.records = set(), {}      # nothing of it was committed
+                    s.marks, s.records, s.writes = set(), {}, None  # nothing committed
         for s in steps:
             if not s.replied:
                 self._reply(s)
@@ -423,6 +432,7 @@ class Committer:
         self._begin()
         for step in steps:
             step.marks, step.records, step.result, step.error = set(), {}, None, None
+            step.writes = None
             self._run_nested(step)
         txn, self._txn = self._txn, None
         return txn, self._txn_no
@@ -443,7 +453,7 @@ class Committer:
             self._ran.append(step)
             return
         self._tell_ran()
-        step.done(step)
+        step.done(self.noted(step))
 
     def _tell_ran(self) -> None:
         if self._ran:

@@ -718,7 +718,7 @@ class _Writer:
 
     def _reply(self, step: Step) -> None:
         self._tell_ran()                # the committer's order: what ran before, first
-        self._send("reply", _outcome(step))
+        self._send("reply", self._outcome(step))
 
     def _ran(self, steps: list[Step]) -> None:
         """Posted steps ran: told with the commit that follows (``_committed``), or before
@@ -732,15 +732,30 @@ class _Writer:
     def _tell_ran(self) -> None:
         if self.ran:
             ran, self.ran = self.ran, []
-            self._send("ran", [_outcome(step) for step in ran])
+            self._send("ran", [self._outcome(step) for step in ran])
 
     def _committed(self, n: int, txn_no: int) -> None:
         """Told with the commit of transaction ``txn_no``: the posted steps that ran since
         the last telling, each by its number alone if it is settled (``_settled``)."""
         ran, self.ran = self.ran, []
         self._send("committed", n, txn_no,
-                   [step.seq if _settled(step, txn_no) else _outcome(step) for step in ran])
+                   [step.seq if self._settled(step, txn_no) else self._outcome(step)
+                    for step in ran])
         self.prealloc.wake()
+
+    def _settled(self, step: Step, txn_no: int) -> bool:
+        """Whether a posted step ran without error in transaction ``txn_no`` (being told
+        committed) and wrote the records it was answered with (checked when it came with
+        them: ``committer.mispredicted``): the mount has nothing left to note of it, and
+        nothing to check (it logs the difference of one that did not)."""
+        if step.error is not None or step.txn_no != txn_no:
+            return False
+        return not step.predicted or not mispredicted(self.committer.noted(step))
+
+    def _outcome(self, step: Step) -> tuple:
+        step = self.committer.noted(step)
+        return (step.seq, step.result, step.error, step.marks, step.records, step.txn_no,
+                step.live)
 
     def _send(self, kind: str, *body) -> None:
         frame = (kind, *body, self.committer.answers_early())
@@ -754,19 +769,6 @@ class _Writer:
 def _unreadable(live, problem: str) -> None:
     """The step of a frame the writer could not read."""
     raise FsError(errno.EIO, f"the writer process could not read a step ({problem})")
-
-
-def _settled(step: Step, txn_no: int) -> bool:
-    """Whether a posted step ran without error in transaction ``txn_no`` (being told
-    committed) and wrote the records it was answered with (``predicted``; a record it did
-    not write, or deleted, is not a difference): the mount has nothing left to note of it,
-    and nothing to check (it logs the difference of one that did not)."""
-    return step.error is None and step.txn_no == txn_no and not mispredicted(step)
-
-
-def _outcome(step: Step) -> tuple:
-    return (step.seq, step.result, step.error, step.marks, step.records, step.txn_no,
-            step.live)
 
 
 def _portable(frame: tuple, problem: Exception) -> tuple:
