@@ -1,6 +1,7 @@
 """Write buffering for open files: dirty chunks live in memory until they fill, or until
 flush, fsync, release, a snapshot, or memory pressure; then they are hashed in a worker thread
-and committed with the file's new size. A file whose complete chunks wait for their commit
+(a commit of at most INLINE_HASH: by its step, in the writer process) and committed with the
+file's new size. A file whose complete chunks wait for their commit
 past FLUSH_AHEAD holds its writers back until the store has taken them.
 
 Ownership rule: every structure here is touched only on the trio thread. A chunk is hashed
