@@ -412,11 +412,50 @@ class FileCache:
         """Commit every dirty chunk and the file's size and mtime. Nothing dirty and no
         mtime to save (tar's second and third SETATTR, the FLUSH and RELEASE after them):
         nothing to wait for either, since chunks being committed stay dirty until saved."""
-        if of.dirty or of.mtime_ns is not None or not of.opens:
+        if of.dirty and self._post_whole(of):
+            if not of.opens:
+                self.files.pop(of.ino, None)
+        elif of.dirty or of.mtime_ns is not None or not of.opens:
             await self.flush_chunks(of, sorted(of.dirty), final=True)
         if of.error is not None:
             err, of.error = of.error, None
             raise FsError(err)
+
+    def _post_whole(self, of: OpenFile) -> bool:
+        """Commit all of ``of``'s buffered writes, and its size and mtime, as one posted
+        step, without awaiting anything: when no commit of the file is under way (its
+        lock is free), every dirty chunk is whole in memory and all of them fit
+        INLINE_HASH (the step hashes them), and the engine may post. The close of a small
+        file written anew (most of an untar or a checkout) costs no more: through
+        ``flush_chunks`` it took five coroutines and a dozen lists (33 µs of the trio
+        thread per file in an untar). False: ``flush_chunks`` must do it."""
+        if of.lock.held:
+            return False
+        chunks, nbytes = [], 0
+        for idx, dc in of.dirty.items():
+            if dc.ranges is not None:
+                return False
+            data = bytes(dc.data)
+            chunks.append((idx, None, data))
+            nbytes += len(data)
+        engine = self.engine
+        if nbytes > INLINE_HASH or not engine.can_post(nbytes):
+            return False
+        try:
+            rec = engine.known_inode(of.ino)
+        except FsError:
+            return False
+        if rec is None:
+            return False
+        size, mtime, idxs = of.size, of.mtime_ns, [idx for idx, _, _ in chunks]
+        engine.post(_commit_chunks, of.ino, chunks, size, size, mtime, True,
+                    marks=(of.ino,), nbytes=nbytes,
+                    records={of.ino: grown(rec, engine.chunk_size, idxs, size, size, mtime,
+                                           True)})
+        for idx in idxs:
+            self._drop_dirty(of, idx)
+        of.mtime_ns = None
+        return True
 
     async def flush_all(self) -> None:
         for of in list(self.files.values()):
