@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import children
 from .sdnotify import notify
 from .errors import StoreError
 
@@ -299,8 +300,9 @@ def mount_background(store: str, mountpoint: str, allow_other: bool, read_only: 
     check_store(store)                  # before its log is opened
     log_path, logfd = _open_log(store)
     rfd, wfd = os.pipe()
-    cmd = [sys.executable, "-m", "mountfs.cli"] + (["-v"] if verbose else []) + \
-        ["mount", "--foreground", "--ready-fd", str(wfd), store, mountpoint]
+    cmd = children.module_command("mountfs.cli", *(["-v"] if verbose else []), "mount",
+                                  "--foreground", "--ready-fd", str(wfd), store,
+                                  os.path.abspath(mountpoint))
     if allow_other:
         cmd.append("--allow-other")
     if read_only:
@@ -308,7 +310,8 @@ def mount_background(store: str, mountpoint: str, allow_other: bool, read_only: 
     proc = subprocess.Popen(cmd, pass_fds=(wfd,), stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL if logfd is None else logfd,
-                            start_new_session=True)
+                            start_new_session=True, env=children.module_env(),
+                            cwd=children.CWD)
     os.close(wfd)
     if logfd is not None:
         os.close(logfd)

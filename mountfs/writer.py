@@ -74,6 +74,7 @@ from collections import deque
 
 import trio
 
+from . import children
 from .committer import LIVE, Committer, Step, mispredicted
 from .memory import keep_freed_buffers
 from .prealloc import Preallocator
@@ -161,9 +162,10 @@ class WriterProcess:
         keep = [to_child_r, to_parent_w] + ([self.store.lockfd] if self.store.lockfd else [])
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "mountfs.writer", str(self.store.path),
-                 str(to_child_r), str(to_parent_w), str(os.getpid())],
-                pass_fds=keep, preexec_fn=_in_child, stdin=subprocess.DEVNULL)
+                children.module_command("mountfs.writer", os.path.abspath(self.store.path),
+                                        str(to_child_r), str(to_parent_w), str(os.getpid())),
+                pass_fds=keep, preexec_fn=_in_child, stdin=subprocess.DEVNULL,
+                env=children.module_env(), cwd=children.CWD)
         finally:
             os.close(to_child_r)
             os.close(to_parent_w)

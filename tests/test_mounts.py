@@ -331,3 +331,31 @@ def test_umount_of_a_mount_whose_process_is_stopped_returns(make_mount):
     assert process_start(pid) is None
     m.mount()
     assert (m.mnt / "f").read_text() == "flushed at the end"
+
+
+def test_a_mount_started_beside_another_mountfs_runs_its_own_code(make_mount, tmp_path):
+    """'python -m' puts the current directory first on the import path: a mount started
+    from a directory holding another ``mountfs`` (a second checkout) ran that one, and
+    here failed to start. The mount and its writer run this tree's code, from '/' (they
+    must not keep the caller's directory, and its filesystem, busy)."""
+    m = make_mount()
+    m.umount()
+    decoy = tmp_path / "checkout"
+    (decoy / "mountfs").mkdir(parents=True)
+    (decoy / "mountfs" / "__init__.py").write_text("raise SystemExit('the decoy ran')\n")
+    mountfs_command = Path(sys.executable).with_name("mountfs")
+    res = subprocess.run([mountfs_command, "mount", os.path.relpath(m.store, decoy),
+                          os.path.relpath(m.mnt, decoy)], cwd=decoy, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr + log_of(m.store)
+    (m.mnt / "f").write_text("written")
+    os.sync()
+    writer = [int(p) for p in Path(f"/proc/{m.pid}/task/{m.pid}/children").read_text().split()]
+    assert len(writer) == 1
+    for pid in (m.pid, *writer):
+        assert os.readlink(f"/proc/{pid}/cwd") == "/"
+        assert "-P" in Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    m.umount()
+    m.mount()
+    assert (m.mnt / "f").read_text() == "written"
+    assert "decoy" not in log_of(m.store)
