@@ -7,9 +7,10 @@ so it ran in series with every request (docs/benchmarks.md, eighth and ninth rou
 In a process of its own it runs beside them, on the machine's other core.
 
 How:
-* the mount starts ``python -m mountfs.writer STORE`` with a pipe each way and the store's
-  lock file open: the child opens the store without taking the lock (the mount holds it;
-  the child holds the same open file, so the store stays locked until both are gone);
+* the mount starts ``python -P -m mountfs.writer STORE`` (``children``) with a pipe each
+  way and the store's lock file open: the child opens the store without taking the lock
+  (the mount holds it; the child holds the same open file, so the store stays locked until
+  both are gone);
 * the child dies with the mount (PR_SET_PDEATHSIG): a kill -9 of the mount loses the open
   transaction and nothing committed, as when the committer was a thread; if the child dies
   alone, every later change fails (EIO) and the mount must be remounted, as after a failed
