@@ -15,6 +15,7 @@ import os
 import sys
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CWD = "/"       # where such a child runs
 
 
 def module_command(module: str, *args: str) -> list[str]:
@@ -29,6 +30,3 @@ def module_env() -> dict[str, str]:
     rest = env.get("PYTHONPATH")
     env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + rest if rest else "")
     return env
-
-
-CWD = "/"       # where such a child runs

@@ -352,24 +352,15 @@ class Engine:
 
     def _merged(self, fn, args, marks, records, merge) -> bool:
         """Make the change one with the change posted last if that is ``fn``'s, with the
-        same marks, and not yet sent (see ``post``). Run for each of tar's SETATTRs:
-        written for few calls."""
-        last = self._last_post
-        if last is None or last[1] is not fn or last[2] != marks \
-                or last[0] is not self._committer.held():
+        same marks, and not yet sent (see ``post``)."""
+        last = self._last_held()
+        if last is None or last[1] is not fn or last[2] != marks:
             return False
         step = last[0]
-        if step.fn is _joined:
-            calls = step.args[0]
-            joined = merge(calls[-1][1], args)
-            if joined is None:
-                return False
-            calls[-1] = (fn, joined)
-        else:
-            joined = merge(step.args, args)
-            if joined is None:
-                return False
-            step.args = joined
+        joined = merge(_last_args(step), args)
+        if joined is None:
+            return False
+        _set_last_args(step, joined)
         step.predicted.update(records)
         self.changes += 1
         self._records.update(records)

@@ -431,23 +431,22 @@ class FileCache:
         thread per file in an untar). False: ``flush_chunks`` must do it."""
         if of.lock.held:
             return False
-        chunks, nbytes = [], 0
-        for idx, dc in of.dirty.items():
+        nbytes = 0
+        for dc in of.dirty.values():
             if dc.ranges is not None:
                 return False
-            data = bytes(dc.data)
-            chunks.append((idx, None, data))
-            nbytes += len(data)
+            nbytes += len(dc.data)
         engine = self.engine
         if nbytes > INLINE_HASH or not engine.can_post(nbytes):
-            return False
+            return False        # before copying: a big file's chunks go by flush_chunks
         try:
             rec = engine.known_inode(of.ino)
         except FsError:
             return False
         if rec is None:
             return False
-        size, mtime, idxs = of.size, of.mtime_ns, [idx for idx, _, _ in chunks]
+        chunks = [(idx, None, bytes(dc.data)) for idx, dc in of.dirty.items()]
+        size, mtime, idxs = of.size, of.mtime_ns, list(of.dirty)
         engine.post(_commit_chunks, of.ino, chunks, size, size, mtime, True,
                     marks=(of.ino,), nbytes=nbytes,
                     records={of.ino: grown(rec, engine.chunk_size, idxs, size, size, mtime,
