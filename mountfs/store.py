@@ -235,7 +235,7 @@ class Store:
             self._values.close()
             self._values = None
         if self.lockfd is not None:
-            _release_lock(self.lockfd)
+            release_lock(self.lockfd)
             self.lockfd = None
 
     def sync(self) -> None:
@@ -474,6 +474,7 @@ def _check_format(env: lmdb.Environment, path: Path) -> None:
                          f"mountfs (which reads version {S.FORMAT_VERSION})")
 
 
+ORPHANED_WRITER = "committing the changes its mount sent before it died"   # lock's holder
 LOCK_PATIENCE = 2.0     # seconds a lock taker waits out holders that are only probes
 
 
@@ -505,10 +506,17 @@ def _take_lock(path: Path, holder: str) -> int:
     return fd
 
 
-def _release_lock(fd: int) -> None:
+def release_lock(fd: int) -> None:
     """Clear the holder's name first: a later refusal must never name a process long gone."""
     os.ftruncate(fd, 0)
     os.close(fd)
+
+
+def relabel_lock(fd: int, holder: str) -> None:
+    """Name this process as the holder of the lock held through ``fd`` (an open file shared
+    with the process that took it and has since died)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} {holder}\n".encode(), 0)
 
 
 def lock_holder(path: str | os.PathLike) -> str | None:
@@ -534,6 +542,8 @@ def _way_out(holder: str) -> str:
     'mounted at MOUNTPOINT'): fsck or promote wants it unmounted, most else works through
     it; when it is a mirror's receiver, its snapshots can be read through a read-only
     mount meanwhile."""
+    if holder.endswith(ORPHANED_WRITER):
+        return ": it exits once that is committed, in a moment; then try again"
     _, found, mountpoint = holder.partition(" mounted at ")
     if found:
         return (f": unmount it first ('mountfs umount {mountpoint}'), or work through the "

@@ -11,8 +11,12 @@ How:
   way and the store's lock file open: the child opens the store without taking the lock
   (the mount holds it; the child holds the same open file, so the store stays locked until
   both are gone);
-* the child dies with the mount (PR_SET_PDEATHSIG): a kill -9 of the mount loses the open
-  transaction and nothing committed, as when the committer was a thread; if the child dies
+* the child outlives a mount that dies: the end of its input (the mount's end of the
+  pipe closes with the mount) is a stop without the STOP frame, and it commits every step
+  it has read, then exits, releasing the store lock (a frame cut short by the death is
+  dropped). So a kill -9 of the mount takes back only the posted changes not yet sent
+  (``POST_DELAY``), however long ``COMMIT_DELAY`` is; until the writer has committed,
+  the lock names it, and a remount waits for it (``store.LOCK_PATIENCE``). If the child dies
   alone, every later change fails (EIO) and the mount must be remounted, as after a failed
   commit;
 * steps travel as data (``committer.Step``: a module-level function and plain arguments),
@@ -57,7 +61,6 @@ is left for the mount to note.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import io
@@ -66,7 +69,6 @@ import logging
 import os
 import pickle
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -80,7 +82,7 @@ from .committer import LIVE, Committer, Step, mispredicted
 from .memory import keep_freed_buffers
 from .prealloc import Preallocator
 from .namespace import FsError
-from .store import Store
+from .store import ORPHANED_WRITER, Store, relabel_lock, release_lock
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,6 @@ HEADER = struct.Struct(">BQI")    # PUT, POST or STOP; the step's number; the pi
                                   # (BATCH: the first step's number; how many steps)
 _HEAD = struct.Struct(">IBQI")    # LENGTH and HEADER in one, for small frames
 PUT, POST, STOP, BATCH = 0, 1, 2, 3
-_PR_SET_PDEATHSIG = 1
 _F_SETPIPE_SZ = 1031
 RAW_BYTES = 64 << 10        # a step's data (bytes) at least this long travels raw
 POST_DELAY = 0.002          # posted steps wait this long to go to the writer together: one
@@ -154,17 +155,18 @@ class WriterProcess:
         self._gone = False                  # the writer's exit is handled (_writer_gone)
 
     def start(self) -> None:
-        """Start the writer. From the thread that lives as long as the mount (the trio
-        thread): the parent-death signal follows the thread that started the child."""
+        """Start the writer: in trio (the mount), its pipes are served by system tasks of
+        the trio thread; outside it, by blocking writes and a reader thread."""
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
         for fd in (to_child_w, to_parent_w):
             _widen(fd)
-        keep = [to_child_r, to_parent_w] + ([self.store.lockfd] if self.store.lockfd else [])
+        lockfd = self.store.lockfd if self.store.lockfd is not None else -1
+        keep = [to_child_r, to_parent_w] + ([lockfd] if lockfd >= 0 else [])
         try:
             self._proc = subprocess.Popen(
                 children.module_command("mountfs.writer", os.path.abspath(self.store.path),
-                                        str(to_child_r), str(to_parent_w), str(os.getpid())),
+                                        str(to_child_r), str(to_parent_w), str(lockfd)),
                 pass_fds=keep, preexec_fn=_in_child, stdin=subprocess.DEVNULL,
                 env=children.module_env(), cwd=children.CWD)
         finally:
@@ -617,12 +619,14 @@ def _write_all(fd: int, pieces: deque) -> None:
 
 
 def _read_frame(incoming) -> bytes | None:
-    """The next frame from the mount (without its length), None at the pipe's end."""
+    """The next frame from the mount (without its length), None at the pipe's end. A frame
+    the end cuts short (the mount died writing it) is None too: never half a step."""
     head = incoming.read(LENGTH.size)
     if len(head) < LENGTH.size:
         return None
-    frame = incoming.read(LENGTH.unpack(head)[0])
-    return frame if len(frame) >= HEADER.size else None
+    length, = LENGTH.unpack(head)
+    frame = incoming.read(length)
+    return frame if len(frame) == length >= HEADER.size else None
 
 
 def _body(frame: memoryview, pickled: int):
@@ -639,8 +643,7 @@ def _widen(fd: int) -> None:
 
 
 def _in_child() -> None:
-    """In the child before exec: SIGKILL when the mount process dies; NICE."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    """In the child before exec: NICE."""
     os.nice(NICE)
 
 
@@ -654,34 +657,50 @@ class _Writer:
     """The child's side: a Committer fed from the mount's frames, its callbacks (all in the
     committer's thread) sent back."""
 
-    def __init__(self, store: Store, out: int):
-        self.out = out          # the pipe to the mount (blocking)
+    def __init__(self, store: Store, out: int, lockfd: int = -1):
+        self.out = out          # the pipe to the mount (blocking); -1 once the mount is gone
+        self.lockfd = lockfd    # the store lock's open file, shared with the mount (-1: none)
         with store.read() as txn:
             live = store.live_epoch(txn)
         self.committer = Committer(store, live, self._committed, self._ran)
         self.prealloc = Preallocator(store)
         self.ran: list[Step] = []       # posted steps that ran, not yet told (see _ran)
 
-    def serve(self, incoming) -> None:
+    def serve(self, incoming) -> bool:
+        """Run the steps the mount sends until it says STOP (True) or its end of the pipe
+        closes without it (False: the mount died); commit what ran either way."""
         self.committer.start()
         try:
             self.prealloc.start()
             try:
-                self._take_frames(incoming)
+                stopped = self._take_frames(incoming)
             finally:
                 self.prealloc.stop()
+            if not stopped:
+                self._orphaned()
         finally:
             self.committer.stop()
             self._tell_ran()
+        if not stopped and self.lockfd >= 0:
+            release_lock(self.lockfd)       # the mount is gone: nobody else clears its name
+        return stopped
 
-    def _take_frames(self, incoming) -> None:
+    def _orphaned(self) -> None:
+        """The mount died: the lock now names this process until it has committed."""
+        log.warning("the mount process ended without stopping its writer: committing the "
+                    "changes it sent, then exiting")
+        if self.lockfd >= 0:
+            with contextlib.suppress(OSError):      # a full disk: the name is for messages
+                relabel_lock(self.lockfd, ORPHANED_WRITER)
+
+    def _take_frames(self, incoming) -> bool:
         while True:
             frame = _read_frame(incoming)
-            if frame is None:           # the mount is gone (it died: we are killed too)
-                return
+            if frame is None:           # the mount is gone: it died
+                return False
             op, seq, pickled = HEADER.unpack_from(frame)
             if op == STOP:
-                return
+                return True
             if op == BATCH:
                 self._submit_batch(seq, pickled, memoryview(frame)[HEADER.size:])
             else:
@@ -761,12 +780,19 @@ class _Writer:
                 step.live)
 
     def _send(self, kind: str, *body) -> None:
+        """Tell the mount; nothing once it is gone (its steps are still committed)."""
+        if self.out < 0:
+            return
         frame = (kind, *body, self.committer.answers_early())
         try:
             pickled = pickle.dumps(frame, protocol=5)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             pickled = pickle.dumps(_portable(frame, e), protocol=5)
-        _write_all(self.out, deque([memoryview(LENGTH.pack(len(pickled))), memoryview(pickled)]))
+        try:
+            _write_all(self.out,
+                       deque([memoryview(LENGTH.pack(len(pickled))), memoryview(pickled)]))
+        except BrokenPipeError:
+            self.out = -1
 
 
 def _unreadable(live, problem: str) -> None:
@@ -795,17 +821,15 @@ def _portable(frame: tuple, problem: Exception) -> tuple:
 
 
 def main(argv: list[str]) -> int:
-    path, incoming_fd, out_fd, mount_pid = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    path, incoming_fd, out_fd, lockfd = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s mountfs-writer %(levelname)s %(message)s")
-    if os.getppid() != mount_pid:       # the mount died before the death signal was set
-        return 1
     from . import engine, ops        # noqa: F401  the steps' modules, before the first step
     keep_freed_buffers()             # each frame and each commit's overflow pages: 1 MiB
     store = Store.open(path, lock=False)
     try:
         with open(incoming_fd, "rb", buffering=PIPE_BYTES) as incoming:
-            _Writer(store, out_fd).serve(incoming)
+            _Writer(store, out_fd, lockfd).serve(incoming)
     finally:
         store.close()
     return 0
