@@ -69,6 +69,7 @@ import logging
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -643,8 +644,15 @@ def _widen(fd: int) -> None:
 
 
 def _in_child() -> None:
-    """In the child before exec: NICE."""
+    """In the child before exec (a signal ignored stays ignored across it): NICE, and
+    SIGINT, SIGHUP and SIGTERM ignored. Ctrl-C in a terminal, a closed session and systemd's
+    stop signal every process of the mount's group; the mount's answer is to unmount, and
+    the writer must live on to commit what it sends (it stops at STOP or at the end of its
+    input). A KeyboardInterrupt raised in the writer by the same Ctrl-C could end it
+    first, and every change still open was lost."""
     os.nice(NICE)
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _exit_reason(code: int) -> str:

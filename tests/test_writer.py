@@ -81,6 +81,27 @@ def test_a_killed_mount_keeps_every_change_its_writer_was_sent(make_mount, monke
     fsck_clean(m.store)
 
 
+def test_terminal_and_stop_signals_end_the_mount_not_its_writer(make_mount):
+    """Ctrl-C in the terminal of a foreground mount, a closed session, or systemd's stop
+    signal every process of the mount's group, the writer too. The writer must live on to
+    commit what the unmounting mount sends it: a KeyboardInterrupt raised in it ended it
+    with a traceback, and every later change failed with EIO."""
+    m = make_mount()
+    writer = writer_pid(m.pid)
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        os.kill(writer, signum)
+    assert not gone(writer, within=0.5), "a signal meant for the mount ended its writer"
+    (m.mnt / "after").write_bytes(b"still written")
+    with open(m.mnt / "after", "rb") as f:
+        os.fsync(f.fileno())            # an awaited step: the writer answers it
+    os.kill(m.pid, signal.SIGINT)        # the mount's answer: unmount, stopping the writer
+    assert gone(m.pid) and gone(writer)
+    m.mount()
+    assert (m.mnt / "after").read_bytes() == b"still written"
+    log = m.log()
+    assert "KeyboardInterrupt" not in log and "the writer process of" not in log, log
+
+
 def test_a_frame_cut_short_by_the_mounts_death_is_dropped():
     """The mount killed while writing a frame (a chunk's data, say) leaves part of it in the
     pipe: the writer must take that as the end, never as a shorter step."""
