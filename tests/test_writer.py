@@ -1,7 +1,8 @@
 """The writer process (mountfs.writer): the committer in a process of its own. It outlives
-a mount that dies only to commit what it was sent; if it dies alone, changes fail at once (EIO) instead of hanging, the log says
-why, and a remount finds everything committed before; a step that is not data is refused
-where it is sent; a writer faster than the store is held back, and the buffers reused."""
+a mount that dies only to commit what it was sent; if it dies alone, changes fail at once
+(EIO) instead of hanging, the log says why, and a remount finds everything committed
+before; a step that is not data is refused where it is sent; a writer faster than the store
+is held back, and the buffers reused."""
 
 from __future__ import annotations
 
