@@ -3,7 +3,10 @@
 directory on the same disk and against the floor (scripts/nullfs.py, a do-nothing pyfuse3+trio
 filesystem), in the same run, printed as ratios: untar of the Python stdlib, a git checkout
 between two distant commits, 10,000 small files, 1 GiB sequential I/O, random 4 KiB IOPS (fio);
-snapshot creation latency at two store sizes; and a chunk-size sweep.
+snapshot creation latency at two store sizes; and a chunk-size sweep. With --durable-floor,
+each of those figures is also measured on scripts/durable_floor.py, the floor plus the least
+durability costs in this stack, so that the distance to the mount splits into that cost and
+what mountfs does beyond it.
 
     .venv/bin/python scripts/bench_io.py            # the issue's figures (1 GiB, 10,000 files...)
     .venv/bin/python scripts/bench_io.py --quick    # a smoke run (seconds)
@@ -594,19 +597,24 @@ def bench_sweep(work: Workdir, chunk_sizes: list[str], size: int, block: int, re
 
 class Floor:
     """scripts/nullfs.py mounted in the work directory: a pyfuse3+trio filesystem that keeps
-    names in dicts and data in memory, with the same kernel-side options as mountfs."""
+    names in dicts and data in memory, with the same kernel-side options as mountfs. With
+    ``durable``, scripts/durable_floor.py: the same, and every change also committed to an
+    LMDB store by a writer process, in group commits (the least durability costs)."""
 
-    def __init__(self, work: Workdir, name: str = "floor"):
+    def __init__(self, work: Workdir, name: str = "floor", durable: bool = False):
         self.work = work
         self.mnt = work.path / f"{name}.mnt"
         self.mnt.mkdir()
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "nullfs.py"),
-                                      str(self.mnt), *FLOOR_OPTIONS])
+        self.store = work.path / f"{name}.store" if durable else None
+        script = "durable_floor.py" if durable else "nullfs.py"
+        extra = [str(self.store)] if durable else []
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / script),
+                                      str(self.mnt), *extra, *FLOOR_OPTIONS])
         for _ in range(500):
             if os.path.ismount(self.mnt):
                 break
             if self.proc.poll() is not None:
-                raise RuntimeError("scripts/nullfs.py did not start")
+                raise RuntimeError(f"scripts/{script} did not start")
             time.sleep(0.02)
         work.mounts.append(self.mnt)
 
@@ -615,12 +623,15 @@ class Floor:
         self.work.mounts.remove(self.mnt)
         self.proc.wait(timeout=60)
         self.mnt.rmdir()
+        if self.store is not None:
+            shutil.rmtree(self.store)
 
 
 FLOOR_OPTIONS: list[str] = []     # nullfs.py options matching mountfs's kernel-side options
 
 
-SIDES = ("plain", "floor", "mount")     # what three_way measures, in its order
+SIDES = ["plain", "floor", "mount"]     # what three_way measures, in its order ("durable"
+                                        # before "mount" with --durable-floor)
 
 
 def three_way(work: Workdir, label: str, measure, repeat: int = 1) -> dict:
@@ -636,11 +647,14 @@ def three_way(work: Workdir, label: str, measure, repeat: int = 1) -> dict:
             runs["plain"].append(kept(measure, plain, None))
         finally:
             shutil.rmtree(plain)
-        floor = Floor(work)
-        try:
-            runs["floor"].append(kept(measure, floor.mnt, None))
-        finally:
-            floor.close()
+        for side in ("floor", "durable"):
+            if side not in SIDES:
+                continue
+            floor = Floor(work, side, durable=side == "durable")
+            try:
+                runs[side].append(kept(measure, floor.mnt, None))
+            finally:
+                floor.close()
         m = MountedStore(work, label)
         try:
             runs["mount"].append(kept(measure, m.mnt, m.remount))
@@ -654,17 +668,24 @@ def print_three_way(title: str, figures: dict, keys: list[tuple[str, str, bool]]
     """keys: (figure, label, higher is better). Ratios say how many times slower the mount
     is (>1: slower) than the plain directory and than the floor: of the medians, and of
     each run's mount against the same run's floor."""
+    durable = "durable" in figures
     rows = []
     for key, label, higher in keys:
         slower = (lambda a, b: a / b) if higher else (lambda a, b: b / a)
-        p, f, m = (figures[t][key] for t in SIDES)
+        p, f, m = (figures[t][key] for t in ("plain", "floor", "mount"))
         runs = figures["runs"]
         each = ", ".join(f"{_figure(rm[key])} ({slower(rf[key], rm[key]):.2f}x)"
                          for rf, rm in zip(runs["floor"], runs["mount"]))
+        extra = []
+        if durable:
+            d = figures["durable"][key]
+            extra = [f"{d:,.2f}", f"{slower(f, d):.2f}x", f"{slower(d, m):.2f}x"]
         rows.append([label, f"{m:,.2f}", f"{f:,.2f}", f"{p:,.2f}", f"{slower(p, m):.2f}x",
-                     f"{slower(f, m):.2f}x", each, target(key, figures) if target else ""])
+                     f"{slower(f, m):.2f}x", *extra, each,
+                     target(key, figures) if target else ""])
+    extra = ["durable floor", "durable vs floor", "mount vs durable"] if durable else []
     print_table(f"{title}; median of {len(figures['runs']['mount'])} alternating runs",
-                ["figure", "mount", "floor", "plain dir", "vs plain", "vs floor",
+                ["figure", "mount", "floor", "plain dir", "vs plain", "vs floor", *extra,
                  "each run: mount (vs floor)", "target"], rows)
 
 
@@ -879,6 +900,10 @@ def parse_args(argv=None):
                         "both, not tmpfs (default: %(default)s)")
     p.add_argument("--floor-writeback", action="store_true",
                    help="mount the floor with the writeback cache (what it would give mountfs)")
+    p.add_argument("--durable-floor", action="store_true",
+                   help="also measure scripts/durable_floor.py in each three-way figure: the "
+                        "floor plus the least durability costs (every change committed to "
+                        "LMDB by a writer process in group commits)")
     p.add_argument("--guest-halt-poll-ns", type=_nanoseconds, metavar="NS",
                    help="on a VM guest with the haltpoll idle driver, poll this long before "
                         "halting an idle CPU for the whole run (restored after): cheap "
@@ -902,6 +927,8 @@ def main(argv=None) -> int:
     block = parse_size(args.block)
     if args.floor_writeback:
         FLOOR_OPTIONS.append("--writeback")
+    if args.durable_floor:
+        SIDES.insert(2, "durable")
     res = Results("bench_io", vars(args))
     with Workdir(args.workdir, "bench-io") as work, halt_polling(args.guest_halt_poll_ns):
         print(f"{machine_info(work.path)}; free page reporting "

@@ -270,21 +270,33 @@ async def serve(fs: NullFS, mountpoint: str) -> None:
         await pyfuse3.main()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(doc: str, durable: bool = False) -> argparse.Namespace:
+    """The floors' command line (scripts/durable_floor.py adds its store directory)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("mountpoint")
+    if durable:
+        ap.add_argument("store", help="directory of the LMDB environment it writes")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="entry, attribute and negative-entry timeout in seconds")
     ap.add_argument("--writeback", action="store_true", help="enable the writeback cache")
     ap.add_argument("--discard", action="store_true", help="discard data (reads give zeros)")
-    args = ap.parse_args()
-    fs = NullFS(args.timeout, args.writeback, args.discard)
-    mountpoint = os.path.realpath(args.mountpoint)     # before mounting: later it would wait
-    pyfuse3.init(fs, mountpoint, ["fsname=nullfs", "default_permissions"])   # for us
+    return ap.parse_args()
+
+
+def run_mount(fs: NullFS, mountpoint: str, fsname: str, serving) -> None:
+    """Mount ``fs`` and run ``serving(mountpoint)`` in trio until it is unmounted."""
+    mountpoint = os.path.realpath(mountpoint)   # before mounting: later it would wait for us
+    pyfuse3.init(fs, mountpoint, [f"fsname={fsname}", "default_permissions"])
     try:
-        trio.run(serve, fs, mountpoint)
+        trio.run(serving, mountpoint)
     finally:
         pyfuse3.close(unmount=True)
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    fs = NullFS(args.timeout, args.writeback, args.discard)
+    run_mount(fs, args.mountpoint, "nullfs", lambda mnt: serve(fs, mnt))
 
 
 if __name__ == "__main__":
