@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""A second floor for scripts/bench_io.py: scripts/nullfs.py plus the least a filesystem must
-do to keep what it answered, in this stack. Not part of the package.
+"""The durable floor of scripts/bench_io.py: nullfs.py plus the least durability costs.
 
-    python scripts/durable_floor.py MOUNTPOINT STOREDIR [nullfs.py options]
+A second floor: the least a filesystem must do to keep what it answered, in this stack.
+Not part of the package.
+
+    python scripts/durable_floor.py MOUNTPOINT STOREDIR [--timeout S] [--writeback]
 
 It answers every request from memory exactly as nullfs.py does, and also records each change
 (an inode's attributes, a directory entry, a closed file's data) as a key and value. Every
@@ -287,7 +289,7 @@ def main() -> None:
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              preexec_fn=lambda: os.nice(WRITER_NICE))
     fcntl.fcntl(child.stdin.fileno(), _F_SETPIPE_SZ, PIPE_BYTES)
-    fs = DurableNullFS(args.timeout, args.writeback, args.discard)
+    fs = DurableNullFS(args.timeout, args.writeback, False)
     try:
         run_mount(fs, args.mountpoint, "durable_floor",
                   lambda mnt: serve(fs, mnt, child.stdin.fileno(), child.stdout.fileno()))

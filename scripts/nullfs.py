@@ -279,7 +279,9 @@ def parse_args(doc: str, durable: bool = False) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="entry, attribute and negative-entry timeout in seconds")
     ap.add_argument("--writeback", action="store_true", help="enable the writeback cache")
-    ap.add_argument("--discard", action="store_true", help="discard data (reads give zeros)")
+    if not durable:                 # the durable floor keeps what it is given
+        ap.add_argument("--discard", action="store_true",
+                        help="discard data (reads give zeros)")
     return ap.parse_args()
 
 
