@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where the distance to the floor goes: CPU seconds per thread of the filesystem process
-and of the workload, on the floor (scripts/nullfs.py) and on a mount, in the same run.
+and of the workload, on the floor (scripts/nullfs.py) and on a mount, in the same run (and,
+with --durable-floor, on scripts/durable_floor.py between them).
 
 bench_io.py says how much slower the mount is than the floor; this says what the extra time
 is made of. For each workload it reads, before and after, the CPU time (user + system) of
@@ -16,6 +17,7 @@ the serving thread can get under. ``cores busy`` is all the CPU counted
 over the wall time: on a 2-core machine, how much room is left to run anything beside.
 
     .venv/bin/python scripts/bench_cpu.py            # git checkout, creates, 1 GiB written
+    .venv/bin/python scripts/bench_cpu.py --only untar --durable-floor --guest-halt-poll-ns 200000
     .venv/bin/python scripts/bench_cpu.py --repeat 3 # three runs, floor and mount alternating
 
 Root and FUSE, like bench_io.py (whose helpers it uses).
@@ -89,6 +91,18 @@ def git_checkout(repo: Path, a: str, b: str):
     return prepare, work
 
 
+def untar(tarball: Path):
+    """bench_io's untar of the standard library, then sync (the page cache dropped first)."""
+    def prepare(root: Path, remount) -> Path:
+        return root
+
+    def work(root: Path) -> None:
+        B.drop_caches()
+        B.run("tar", "-xf", tarball, "-C", root)
+        os.sync()
+    return prepare, work
+
+
 def creates(count: int, size: int):
     """``count`` files of ``size`` bytes created in one directory by a child process (so
     that its CPU is the workload's, like git's)."""
@@ -121,17 +135,21 @@ def seq_write(size: int):
     return prepare, work
 
 
+FLOORS = ["floor"]      # and "durable floor" with --durable-floor
+
+
 def one_run(work_dir: B.Workdir, label: str, workload, shm_store: bool = False) -> dict:
-    """The workload on the floor, then on a fresh mount (and, with ``shm_store``, on a mount
-    whose store is in /dev/shm: the same code without the disk)."""
+    """The workload on the floor (and the durable floor), then on a fresh mount (and, with
+    ``shm_store``, on a mount whose store is in /dev/shm: the same code without the disk)."""
     prepare, work = workload
     out = {}
-    floor = B.Floor(work_dir)
-    try:
-        target = prepare(floor.mnt, None)
-        out["floor"] = measured(floor.proc.pid, lambda: work(target))
-    finally:
-        floor.close()
+    for name in FLOORS:
+        floor = B.Floor(work_dir, name.replace(" ", "-"), durable=name != "floor")
+        try:
+            target = prepare(floor.mnt, None)
+            out[name] = measured(floor.proc.pid, lambda: work(target))
+        finally:
+            floor.close()
     stores = {"mount": None}
     if shm_store:
         stores["mount, store in /dev/shm"] = Path("/dev/shm") / f"{work_dir.path.name}-{label}"
@@ -168,8 +186,9 @@ def report(title: str, runs: list[dict], size: int = 0) -> None:
     B.print_table(title, ["run", "wall s", *(["MB/s"] if size else []), "workload cpu",
                           "serving cpu", "of it system", "the rest", "cores busy",
                           "wall vs floor", "chain vs floor"], rows)
-    print("the mount's busiest other thread (the writer process's committer), cpu s:",
-          ", ".join(f"{r['mount']['busiest other']:.2f}" for r in runs))
+    for name in [n for n in runs[0] if n != "floor"]:
+        print(f"the {name}'s busiest other thread (its writer process's), cpu s:",
+              ", ".join(f"{r[name]['busiest other']:.2f}" for r in runs))
 
 
 def main(argv=None) -> int:
@@ -180,14 +199,27 @@ def main(argv=None) -> int:
     p.add_argument("--creates", type=int, default=10000, help="files the create loop makes")
     p.add_argument("--size", type=B.parse_size, default=1 << 30,
                    help="the sequentially written file (default 1G)")
-    p.add_argument("--only", action="append", choices=["git", "creates", "seq"],
-                   help="run only these workloads (repeatable; default all three)")
+    p.add_argument("--only", action="append", choices=["git", "creates", "seq", "untar"],
+                   help="run only these workloads (repeatable; default git, creates and "
+                        "seq)")
+    p.add_argument("--durable-floor", action="store_true",
+                   help="also run each workload on scripts/durable_floor.py (the floor plus "
+                        "every change committed to LMDB by a writer process)")
+    p.add_argument("--guest-halt-poll-ns", type=B._nanoseconds, metavar="NS",
+                   help="as bench_io.py's: idle CPUs poll this long before halting")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("bench_cpu.py needs root (it drops the page cache)")
-    with B.Workdir(args.workdir, "bench-cpu") as work:
+    if args.durable_floor:
+        FLOORS.append("durable floor")
+    B.restore_kernel_knobs()
+    with B.Workdir(args.workdir, "bench-cpu") as work, B.halt_polling(args.guest_halt_poll_ns):
         print(B.machine_info(work.path), flush=True)
         only = set(args.only or ["git", "creates", "seq"])
+        if "untar" in only:
+            report("untar of the standard library + sync",
+                   [one_run(work, f"untar{n}", untar(B.stdlib_tarball(work)))
+                    for n in range(args.repeat)])
         if "git" in only:
             repo, a, b = B.synthetic_repo(work, args.files)
             report(f"git checkout A->B of a {args.files:,}-file repository + sync",

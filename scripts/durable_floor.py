@@ -9,9 +9,9 @@ Not part of the package.
 It answers every request from memory exactly as nullfs.py does, and also records each change
 (an inode's attributes, a directory entry, a closed file's data) as a key and value. Every
 2 ms the changes of those milliseconds go, as one pickled frame, down a pipe to a writer
-process that puts them into an LMDB environment opened as mountfs opens its store
-(``sync=True, metasync=False``) and commits once the oldest uncommitted change is 5 ms
-old: mountfs's posted steps, group commit and commit delay, without anything else mountfs
+process (scripts/floor_writer.py) that puts them into an LMDB environment opened as mountfs
+opens its store (``sync=True, metasync=False``) and commits once the oldest uncommitted
+change is 5 ms old: mountfs's posted steps, group commit and commit delay, without anything else mountfs
 does (no versions per epoch, no mepoch, no bucket hashes, no chunk digests, no reads of the
 store). fsync sends at once and waits for the commit that holds it. The writer reads the
 pipe in one thread and puts and commits in another, as mountfs's does, so that a commit's
@@ -24,31 +24,26 @@ syncs); the distance between it and the mount is what mountfs does beyond that.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import pickle
-import queue
 import struct
 import subprocess
 import sys
-import threading
-import time
+from pathlib import Path
 
 import trio
 
+from floor_writer import ACK as _ACK, FRAME as _FRAME
 from nullfs import NullFS, Node, parse_args, run_mount, serve as serve_floor
 
 POST_DELAY = 0.002          # as mountfs.writer.POST_DELAY
-COMMIT_DELAY = 0.005        # as mountfs.committer.COMMIT_DELAY's default
 CHUNK = 1 << 20             # as mountfs's default chunk size
 WRITER_NICE = 10            # as mountfs.writer.NICE
 PIPE_BYTES = 1 << 20        # as mountfs.writer.PIPE_BYTES
 _F_SETPIPE_SZ = 1031
 _INODE = struct.Struct("<QIIIIQQqqq")
 _U64 = struct.Struct(">Q")
-_FRAME = struct.Struct("<IQ?")     # the pickle's length, the frame's number, commit at once
-_ACK = struct.Struct("<Q")          # the writer's answer: every frame up to this one committed
 
 
 def inode_key(ino: int) -> bytes:
@@ -208,64 +203,6 @@ class DurableNullFS(NullFS):
             self.acked = trio.Event()
 
 
-# ---- the writer process --------------------------------------------------------------------
-
-def _read_frames(fd: int, frames: queue.SimpleQueue) -> None:
-    """The pipe's frames, decoded, onto ``frames``; None at its end."""
-    buf = bytearray()
-    while data := os.read(fd, 1 << 20):
-        buf += data
-        while len(buf) >= _FRAME.size:
-            size, number, urgent = _FRAME.unpack_from(buf)
-            end = _FRAME.size + size
-            if len(buf) < end:
-                break
-            frames.put((number, urgent, pickle.loads(bytes(buf[_FRAME.size:end]))))
-            del buf[:end]
-    frames.put(None)
-
-
-def writer(store: str) -> None:
-    """Put every frame's changes into the store; commit (synced) once the oldest uncommitted
-    change is COMMIT_DELAY old, at once for a frame that asks (fsync), and at the end of the
-    pipe. After each commit, answer the number of the last frame it holds."""
-    import lmdb
-    env = lmdb.open(store, map_size=1 << 40, sync=True, metasync=False)
-    frames: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_read_frames, args=(0, frames), daemon=True).start()
-    txn, deadline, last = None, None, 0
-
-    def commit():
-        txn.commit()
-        with contextlib.suppress(BrokenPipeError):      # the floor is gone: nobody waits
-            os.write(1, _ACK.pack(last))
-    while True:
-        try:
-            frame = frames.get(timeout=None if txn is None
-                               else max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            commit()
-            txn = None
-            continue
-        if frame is None:
-            break
-        last, urgent, changes = frame
-        if txn is None:
-            txn, deadline = env.begin(write=True), time.monotonic() + COMMIT_DELAY
-        for key, value in changes.items():
-            if value is None:
-                txn.delete(key)
-            else:
-                txn.put(key, value)
-        if urgent:
-            commit()
-            txn = None
-    if txn is not None:
-        commit()
-    env.sync(True)
-    env.close()
-
-
 async def serve(fs: DurableNullFS, mountpoint: str, pipe_fd: int, answers_fd: int) -> None:
     """nullfs.py's serve, with the sender and the writer's answers beside it; what is left
     is sent at the end."""
@@ -280,12 +217,10 @@ async def serve(fs: DurableNullFS, mountpoint: str, pipe_fd: int, answers_fd: in
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--writer"]:
-        writer(sys.argv[2])
-        return
     args = parse_args(__doc__, durable=True)
     os.makedirs(args.store, exist_ok=True)
-    child = subprocess.Popen([sys.executable, __file__, "--writer", args.store],
+    child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("floor_writer.py")),
+                              args.store],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              preexec_fn=lambda: os.nice(WRITER_NICE))
     fcntl.fcntl(child.stdin.fileno(), _F_SETPIPE_SZ, PIPE_BYTES)
