@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--durable-floor", action="store_true",
                    help="also run each workload on scripts/durable_floor.py (the floor plus "
                         "every change committed to LMDB by a writer process)")
-    p.add_argument("--guest-halt-poll-ns", type=B._nanoseconds, metavar="NS",
+    p.add_argument("--guest-halt-poll-ns", type=B.parse_nanoseconds, metavar="NS",
                    help="as bench_io.py's: idle CPUs poll this long before halting")
     args = p.parse_args(argv)
     if os.geteuid() != 0:

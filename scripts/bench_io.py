@@ -864,7 +864,7 @@ def bench_seq3(work: Workdir, size: int, block: int, repeat: int, res: Results) 
 
 # ---- main ------------------------------------------------------------------------------------
 
-def _nanoseconds(text: str) -> int:
+def parse_nanoseconds(text: str) -> int:
     if not text.isdigit() or int(text) > 10**9:
         raise argparse.ArgumentTypeError(f"{text!r}: give whole nanoseconds, 0 to 1000000000")
     return int(text)
@@ -904,7 +904,7 @@ def parse_args(argv=None):
                    help="also measure scripts/durable_floor.py in each three-way figure: the "
                         "floor plus the least durability costs (every change committed to "
                         "LMDB by a writer process in group commits)")
-    p.add_argument("--guest-halt-poll-ns", type=_nanoseconds, metavar="NS",
+    p.add_argument("--guest-halt-poll-ns", type=parse_nanoseconds, metavar="NS",
                    help="on a VM guest with the haltpoll idle driver, poll this long before "
                         "halting an idle CPU for the whole run (restored after): cheap "
                         "wake-ups, where each FUSE request wakes the filesystem's thread")

@@ -11,11 +11,11 @@ It answers every request from memory exactly as nullfs.py does, and also records
 2 ms the changes of those milliseconds go, as one pickled frame, down a pipe to a writer
 process (scripts/floor_writer.py) that puts them into an LMDB environment opened as mountfs
 opens its store (``sync=True, metasync=False``) and commits once the oldest uncommitted
-change is 5 ms old: mountfs's posted steps, group commit and commit delay, without anything else mountfs
-does (no versions per epoch, no mepoch, no bucket hashes, no chunk digests, no reads of the
-store). fsync sends at once and waits for the commit that holds it. The writer reads the
-pipe in one thread and puts and commits in another, as mountfs's does, so that a commit's
-sync does not stop the pipe.
+change is 5 ms old: mountfs's posted steps, group commit and commit delay, without anything
+else mountfs does (no versions per epoch, no mepoch, no bucket hashes, no chunk digests, no
+reads of the store). fsync sends at once and waits for the commit that holds it (EIO once
+the writer is gone). The writer reads the pipe in one thread and puts and commits in
+another, as mountfs's does, so that a commit's sync does not stop the pipe.
 
 What it measures: the distance between this floor and nullfs.py is the cost of durability
 itself on this machine (a second busy process on the same cores, the pipe, the puts and the
@@ -24,6 +24,7 @@ syncs); the distance between it and the mount is what mountfs does beyond that.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import pickle
@@ -32,6 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyfuse3
 import trio
 
 from floor_writer import ACK as _ACK, FRAME as _FRAME
@@ -72,6 +74,7 @@ class DurableNullFS(NullFS):
         self.sending = trio.Lock()
         self.sent = self.committed = 0      # frame numbers
         self.acked = trio.Event()
+        self.writer_gone = False
 
     def _changed(self, key: bytes, value: bytes | None) -> None:
         if not self.changes:
@@ -119,8 +122,7 @@ class DurableNullFS(NullFS):
             self._gone(n)
 
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        ino = self.nodes[parent_inode_old].children.get(name_old) \
-            if parent_inode_old in self.nodes else None
+        ino = self._node(parent_inode_old).children.get(name_old)    # None: ENOENT below
         await super().rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx)
         self._changed(entry_key(parent_inode_old, name_old), None)
         self._changed(entry_key(parent_inode_new, name_new), _U64.pack(ino))
@@ -170,8 +172,10 @@ class DurableNullFS(NullFS):
         """Every change made so far committed and synced."""
         await self.send(urgent=True)
         number = self.sent
-        while self.committed < number:
+        while self.committed < number and not self.writer_gone:
             await self.acked.wait()
+        if self.writer_gone:        # what was sent may be lost, what was not is (stderr)
+            raise pyfuse3.FUSEError(errno.EIO)
 
     async def sender(self) -> None:
         """Every POST_DELAY, the changes made since go to the writer as one frame."""
@@ -185,11 +189,22 @@ class DurableNullFS(NullFS):
         async with self.sending:
             changes, self.changes = self.changes, {}
             self.wake = trio.Event()
-            if changes or urgent:
+            if (changes or urgent) and not self.writer_gone:
                 self.sent += 1
                 frame = pickle.dumps(changes, protocol=pickle.HIGHEST_PROTOCOL)
-                await self.pipe.send_all(_FRAME.pack(len(frame), self.sent, urgent))
-                await self.pipe.send_all(frame)
+                try:
+                    await self.pipe.send_all(_FRAME.pack(len(frame), self.sent, urgent))
+                    await self.pipe.send_all(frame)
+                except trio.BrokenResourceError:
+                    self._lost_writer()
+
+    def _lost_writer(self) -> None:
+        """The writer is gone: changes are kept in memory only, and fsync fails (EIO)."""
+        if not self.writer_gone:
+            print("durable_floor.py: its writer process is gone; fsync now fails (EIO)",
+                  file=sys.stderr)
+        self.writer_gone = True
+        self.acked.set()
 
     async def acks(self, answers: trio.lowlevel.FdStream) -> None:
         """The writer's answers: the frames committed so far."""
@@ -201,6 +216,7 @@ class DurableNullFS(NullFS):
                 buf = buf[_ACK.size:]
             self.acked.set()
             self.acked = trio.Event()
+        self._lost_writer()
 
 
 async def serve(fs: DurableNullFS, mountpoint: str, pipe_fd: int, answers_fd: int) -> None:

@@ -79,4 +79,7 @@ def writer(store: str) -> None:
 
 
 if __name__ == "__main__":
-    writer(sys.argv[1])
+    try:
+        writer(sys.argv[1])
+    except lmdb.Error as e:             # a full disk, a store it cannot open: one line
+        sys.exit(f"floor_writer.py: {sys.argv[1]}: {e}; the floor's fsyncs now fail (EIO)")

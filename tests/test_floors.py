@@ -5,6 +5,7 @@ store even when the floor and its writer are killed with SIGKILL right after."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import stat
@@ -118,3 +119,22 @@ def test_an_fsync_that_returned_survives_a_kill9_of_the_floor_and_its_writer(flo
     floor.kill9()
 
     assert floor.tree() == {"kept": data}
+
+
+@pytest.mark.fuse
+def test_with_its_writer_gone_the_floors_fsync_fails_instead_of_lying_or_hanging(floor):
+    writer = subprocess.run(["pgrep", "-f", "-s", str(floor.proc.pid), "floor_writer.py"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    os.kill(int(writer[0]), signal.SIGKILL)
+    (floor.mnt / "late").write_bytes(b"kept in memory only")
+    fd = os.open(floor.mnt / "late", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as failed:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+    assert failed.value.errno == errno.EIO
+    assert (floor.mnt / "late").read_bytes() == b"kept in memory only"
+    floor.umount()
+    assert b"its writer process is gone" in floor.proc.stderr.read()
