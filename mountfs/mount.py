@@ -186,6 +186,7 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
 
     from .control import runtime_dir
     from .engine import Engine
+    from .idlepoll import install as poll_before_sleeping
     from .memory import keep_freed_buffers
     from .ops import Operations
     from .store import Store
@@ -195,6 +196,7 @@ def run_foreground(store_path: str, mountpoint: str, allow_other: bool = False,
     runtime_dir(create=True)    # refused now, not by the control server once mounted
     keep_freed_buffers()
     sys.setswitchinterval(GIL_SWITCH)
+    poll_before_sleeping()
     store = Store.open(store_path, readonly=read_only, lock=not read_only,
                        holder=f"mounted at {mountpoint}")
     try:

@@ -243,7 +243,8 @@ def main() -> None:
     fs = DurableNullFS(args.timeout, args.writeback, False)
     try:
         run_mount(fs, args.mountpoint, "durable_floor",
-                  lambda mnt: serve(fs, mnt, child.stdin.fileno(), child.stdout.fileno()))
+                  lambda mnt: serve(fs, mnt, child.stdin.fileno(), child.stdout.fileno()),
+                  args.idle_poll)
     finally:
         child.stdin.close()
         child.wait()

@@ -22,6 +22,7 @@ import time
 import pyfuse3
 import trio
 
+from mountfs import idlepoll
 from mountfs.mount import set_readahead
 from mountfs.ops import ACL_XATTRS
 
@@ -279,15 +280,21 @@ def parse_args(doc: str, durable: bool = False) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="entry, attribute and negative-entry timeout in seconds")
     ap.add_argument("--writeback", action="store_true", help="enable the writeback cache")
+    ap.add_argument("--idle-poll", type=float, default=idlepoll.POLL, metavar="SECONDS",
+                    help="poll for the next request this long before sleeping, while "
+                         "requests come in bursts, as mountfs does (default: mountfs's, "
+                         "$MOUNTFS_IDLE_POLL or %(default)s; 0: off)")
     if not durable:                 # the durable floor keeps what it is given
         ap.add_argument("--discard", action="store_true",
                         help="discard data (reads give zeros)")
     return ap.parse_args()
 
 
-def run_mount(fs: NullFS, mountpoint: str, fsname: str, serving) -> None:
-    """Mount ``fs`` and run ``serving(mountpoint)`` in trio until it is unmounted."""
+def run_mount(fs: NullFS, mountpoint: str, fsname: str, serving, idle_poll: float) -> None:
+    """Mount ``fs`` and run ``serving(mountpoint)`` in trio until it is unmounted, polling
+    ``idle_poll`` seconds before sleeping as mountfs does (``mountfs.idlepoll``)."""
     mountpoint = os.path.realpath(mountpoint)   # before mounting: later it would wait for us
+    idlepoll.install(idle_poll)
     pyfuse3.init(fs, mountpoint, [f"fsname={fsname}", "default_permissions"])
     try:
         trio.run(serving, mountpoint)
@@ -298,7 +305,7 @@ def run_mount(fs: NullFS, mountpoint: str, fsname: str, serving) -> None:
 def main() -> None:
     args = parse_args(__doc__)
     fs = NullFS(args.timeout, args.writeback, args.discard)
-    run_mount(fs, args.mountpoint, "nullfs", lambda mnt: serve(fs, mnt))
+    run_mount(fs, args.mountpoint, "nullfs", lambda mnt: serve(fs, mnt), args.idle_poll)
 
 
 if __name__ == "__main__":
