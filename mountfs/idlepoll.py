@@ -31,14 +31,10 @@ from __future__ import annotations
 
 import time
 
-from .errors import StoreError
 from .units import env_duration
 
 MAX_POLL = 0.01     # seconds: longer would spin a CPU for nothing after every burst
-POLL = env_duration("MOUNTFS_IDLE_POLL", "0.00005", zero=True)     # seconds; 0: off
-if POLL > MAX_POLL:
-    raise StoreError(f"$MOUNTFS_IDLE_POLL={POLL:g} s is more than the {MAX_POLL:g} s it may "
-                     f"poll (the default is 0.00005; 0 turns it off); fix or unset it")
+POLL = env_duration("MOUNTFS_IDLE_POLL", "0.00005", zero=True, most=MAX_POLL)  # 0: off
 REARM = 2           # a wait that ends within this many windows means a burst
 
 

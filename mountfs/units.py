@@ -59,24 +59,29 @@ def parse_duration(value: str | int | float) -> float:
     return seconds
 
 
-def env_duration(name: str, default: str, zero: bool = False) -> float:
+def env_duration(name: str, default: str, zero: bool = False,
+                 most: float = MAX_DURATION) -> float:
     """Seconds from environment variable ``name`` (``default`` when unset or empty) as
-    ``parse_duration`` reads them, and with ``zero`` also 0 ("at once"). A bad value is a
-    StoreError naming the variable: the modules tuned by one read it when imported, which a
-    mount does before it mounts anything, so the mount refuses in one line."""
+    ``parse_duration`` reads them, at most ``most``, and with ``zero`` also 0 ("at once").
+    A bad value is a StoreError naming the variable: the modules tuned by one read it when
+    imported, which a mount does before it mounts anything, so the mount refuses in one
+    line."""
     raw = os.environ.get(name) or default
     try:
         if zero and float(raw) == 0:
             return 0.0
     except ValueError:
         pass                    # not a plain number: a duration with its unit, or a typo
+    limit = f"{most:g} s" if most < MAX_DURATION else f"{MAX_DURATION // 86400}d"
+    takes = (f"it takes seconds ({'0' if zero else 'more than 0'} up to {limit}, e.g. "
+             f"{default}{' or 250ms' if most >= 0.25 else ''}); fix or unset it")
     try:
-        return parse_duration(raw)
+        seconds = parse_duration(raw)
     except ValueError as e:
-        least = "0" if zero else "more than 0"
-        raise StoreError(f"${name}={raw!r} is not a duration: it takes seconds ({least} "
-                         f"up to {MAX_DURATION // 86400}d, e.g. {default} or 250ms); fix "
-                         f"or unset it") from e
+        raise StoreError(f"${name}={raw!r} is not a duration: {takes}") from e
+    if seconds > most:
+        raise StoreError(f"${name}={raw!r} is more than {limit}: {takes}")
+    return seconds
 
 
 class Address(NamedTuple):

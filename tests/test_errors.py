@@ -178,17 +178,20 @@ def test_a_store_path_is_a_name_not_mount_options(tmp_path, name):
 
 
 @pytest.mark.parametrize("setting", ["MOUNTFS_COMMIT_DELAY=abc", "MOUNTFS_COMMIT_DELAY=nan",
-                                     "MOUNTFS_DIRTY_EXPIRE=-1", "MOUNTFS_DIRTY_EXPIRE=0"])
+                                     "MOUNTFS_DIRTY_EXPIRE=-1", "MOUNTFS_DIRTY_EXPIRE=0",
+                                     "MOUNTFS_IDLE_POLL=fast", "MOUNTFS_IDLE_POLL=1s"])
 def test_a_bad_tuning_variable_is_refused_before_anything_is_mounted(store, tmp_path,
                                                                      monkeypatch, setting):
     """They were read unchecked: a traceback, or a mount process dying after it had mounted
-    (a dead mount left behind, and 'exited (status None) without mounting')."""
+    (a dead mount left behind, and 'exited (status None) without mounting'). A duration
+    over a variable's limit (the idle poll's 10 ms) is refused the same way."""
     name, value = setting.split("=")
     monkeypatch.setenv(name, value)
     (tmp_path / "mnt").mkdir()
+    problem = "is more than 0.01 s" if setting == "MOUNTFS_IDLE_POLL=1s" else "is not a duration"
     for foreground in ([], ["--foreground"]):
         fails_clearly("mountfs", "mount", *foreground, store, tmp_path / "mnt",
-                      contains=f"${name}={value!r} is not a duration")
+                      contains=f"${name}={value!r} {problem}")
     assert fuse_mounts_under(tmp_path) == []
 
 

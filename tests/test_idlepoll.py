@@ -14,7 +14,6 @@ import time
 import pytest
 import trio
 
-from conftest import cli
 from mountfs import idlepoll
 
 EpollIOManager = pytest.importorskip("trio._core._io_epoll").EpollIOManager
@@ -130,17 +129,6 @@ def test_a_trio_without_the_epoll_wait_is_left_alone(monkeypatch):
     monkeypatch.delattr(EpollIOManager, "get_events")
     assert idlepoll.install(0.00005) is False
     assert not hasattr(EpollIOManager, "get_events")
-
-
-@pytest.mark.parametrize("value", ["fast", "1s"])
-def test_a_bad_setting_is_refused_in_one_line_before_mounting(store, tmp_path, value):
-    """Not a duration, or one that would spin a CPU for a second after every burst."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = cli("mountfs", "mount", store, mnt, check=False,
-            env={**os.environ, "MOUNTFS_IDLE_POLL": value})
-    assert r.returncode != 0 and not os.path.ismount(mnt)
-    assert r.stderr.strip().count("\n") == 0 and "MOUNTFS_IDLE_POLL" in r.stderr, r.stderr
 
 
 def test_an_idle_mount_burns_no_cpu_after_a_burst(make_mount, monkeypatch):
