@@ -9,12 +9,12 @@ polling: `haltpoll.guest_halt_poll_ns=0`, the default of many clouds) waking a h
 costs two VM exits, tens of microseconds, more than the mount's own work on a request.
 Polling the loop's file descriptors for up to ``POLL`` (50 µs) before sleeping finds the
 next request on a CPU that is still running (on such a VM, docs/benchmarks.md, thirtieth
-round: small-file creates 2,650 -> 3,050-3,150 per s, an untar 32 -> 27 s). Seastar's
+round: small-file creates 2,650 -> 3,030-3,140 per s, an untar 32 -> 27 s). Seastar's
 reactor and the kernel's own halt polling do the same.
 
 Adaptive, so that polling costs nothing when it cannot help: the loop polls only while its
-waits are short (the last one ended within ``REARM`` windows); after a poll that found
-nothing it sleeps at once on every wait until one ends that soon again. An idle mount, or
+waits are short (the last one ended within ``REARM`` windows); after a whole window that
+found nothing it sleeps at once on every wait until one ends that soon again. An idle mount, or
 one answering a request now and then, sleeps as before. A loop with work to do never
 sleeps, so it never polls either.
 
