@@ -38,6 +38,15 @@ POLL = env_duration("MOUNTFS_IDLE_POLL", "0.00005", zero=True, most=MAX_POLL)  #
 REARM = 2           # a wait that ends within this many windows means a burst
 
 
+def parse_window(text: str) -> float:
+    """A window given on a command line (the floors' ``--idle-poll``): seconds, from 0 (off)
+    up to MAX_POLL, as ``MOUNTFS_IDLE_POLL`` takes them; ValueError otherwise."""
+    seconds = float(text)
+    if not 0 <= seconds <= MAX_POLL:            # NaN too
+        raise ValueError(f"{text!r}: seconds from 0 (off) up to {MAX_POLL:g}")
+    return seconds
+
+
 def install(window: float = POLL) -> bool:
     """Make every trio loop of this process poll up to ``window`` seconds before it sleeps,
     adaptively (see above). Idempotent. False if nothing was changed: ``window`` is 0, or

@@ -280,7 +280,8 @@ def parse_args(doc: str, durable: bool = False) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="entry, attribute and negative-entry timeout in seconds")
     ap.add_argument("--writeback", action="store_true", help="enable the writeback cache")
-    ap.add_argument("--idle-poll", type=float, default=idlepoll.POLL, metavar="SECONDS",
+    ap.add_argument("--idle-poll", type=idlepoll.parse_window, default=idlepoll.POLL,
+                    metavar="SECONDS",
                     help="poll for the next request this long before sleeping, while "
                          "requests come in bursts, as mountfs does (default: mountfs's, "
                          "$MOUNTFS_IDLE_POLL or %(default)s; 0: off)")

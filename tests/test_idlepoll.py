@@ -123,6 +123,14 @@ def test_zero_turns_it_off():
     assert EpollIOManager.get_events is original
 
 
+@pytest.mark.parametrize("text", ["5", "-1", "nan", "0.02"])
+def test_the_floors_refuse_a_window_that_would_spin_a_cpu(text):
+    """``nullfs.py --idle-poll`` takes what MOUNTFS_IDLE_POLL takes: 0 up to 10 ms."""
+    assert idlepoll.parse_window("0") == 0 and idlepoll.parse_window("0.0001") == 0.0001
+    with pytest.raises(ValueError):
+        idlepoll.parse_window(text)
+
+
 def test_a_trio_without_the_epoll_wait_is_left_alone(monkeypatch):
     """Another trio (no epoll manager's ``get_events`` to wrap): nothing changes and the
     mount serves as it would without polling."""
