@@ -918,10 +918,21 @@ def parse_args(argv=None):
     return args
 
 
+def check_tuning_variables() -> None:
+    """Refuse a bad ``$MOUNTFS_*`` tuning variable before anything is set up, in the mount's
+    own words: the mount and the floors read them as they start, and would each stop."""
+    from mountfs.errors import StoreError
+    try:
+        import mountfs.committer, mountfs.filecache, mountfs.idlepoll  # noqa: F401,E401
+    except StoreError as e:
+        raise SystemExit(f"bench_io: {e}") from None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("bench_io needs root (to drop the page cache)")
+    check_tuning_variables()
     restore_kernel_knobs()
     only = set(args.only or ["untar", "git", "small", "seq", "rand", "snap", "sweep"])
     block = parse_size(args.block)

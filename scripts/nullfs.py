@@ -17,12 +17,18 @@ import argparse
 import errno
 import os
 import stat
+import sys
 import time
 
 import pyfuse3
 import trio
 
-from mountfs import idlepoll
+from mountfs.errors import StoreError
+
+try:
+    from mountfs import idlepoll                    # reads $MOUNTFS_IDLE_POLL
+except StoreError as e:
+    raise SystemExit(f"{os.path.basename(sys.argv[0]).removesuffix('.py')}: {e}") from None
 from mountfs.mount import set_readahead
 from mountfs.ops import ACL_XATTRS
 

@@ -8,13 +8,18 @@ the difference apart) so that a loaded machine cannot flip them."""
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import trio
 
 from mountfs import idlepoll
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 EpollIOManager = pytest.importorskip("trio._core._io_epoll").EpollIOManager
 
@@ -129,6 +134,22 @@ def test_the_floors_refuse_a_window_that_would_spin_a_cpu(text):
     assert idlepoll.parse_window("0") == 0 and idlepoll.parse_window("0.0001") == 0.0001
     with pytest.raises(ValueError):
         idlepoll.parse_window(text)
+
+
+@pytest.mark.parametrize("script", [["nullfs.py", "MNT"], ["durable_floor.py", "MNT", "STORE"],
+                                    ["bench_io.py", "--quick"]])
+def test_the_benchmarks_refuse_a_bad_window_in_one_line(script, tmp_path):
+    """A window the mount would refuse stops the floors (which poll as the mount does) and
+    bench_io (before it sets anything up) with the mount's line, not a traceback."""
+    args = [str(tmp_path / a.lower()) if a.isupper() else a for a in script[1:]]
+    env = {**os.environ, "MOUNTFS_IDLE_POLL": "20ms"}
+    done = subprocess.run([sys.executable, str(SCRIPTS / script[0]), *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"{script[0].removesuffix('.py')}: $MOUNTFS_IDLE_POLL='20ms' is more than 0.01 s: "
+        "it takes seconds (0 up to 0.01 s, e.g. 0.00005); fix or unset it"]
+    assert not any(tmp_path.iterdir())         # nothing mounted, no store made
 
 
 def test_a_trio_without_the_epoll_wait_is_left_alone(monkeypatch):
