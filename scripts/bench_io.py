@@ -607,7 +607,7 @@ class Floor:
         self.mnt.mkdir()
         self.store = work.path / f"{name}.store" if durable else None
         script = "durable_floor.py" if durable else "nullfs.py"
-        extra = [str(self.store)] if durable else []
+        extra = [str(self.store)] if durable else DISCARDING
         self.proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / script),
                                       str(self.mnt), *extra, *FLOOR_OPTIONS])
         for _ in range(500):
@@ -628,6 +628,7 @@ class Floor:
 
 
 FLOOR_OPTIONS: list[str] = []     # nullfs.py options matching mountfs's kernel-side options
+DISCARDING: list[str] = []        # ["--discard"]: the (not durable) floor keeps no data
 
 
 SIDES = ["plain", "floor", "mount"]     # what three_way measures, in its order ("durable"
@@ -900,6 +901,9 @@ def parse_args(argv=None):
                         "both, not tmpfs (default: %(default)s)")
     p.add_argument("--floor-writeback", action="store_true",
                    help="mount the floor with the writeback cache (what it would give mountfs)")
+    p.add_argument("--floor-discard", action="store_true",
+                   help="the floor discards what is written (reads give zeros): what carrying "
+                        "the data through FUSE alone costs, without the floor's own copy")
     p.add_argument("--durable-floor", action="store_true",
                    help="also measure scripts/durable_floor.py in each three-way figure: the "
                         "floor plus the least durability costs (every change committed to "
@@ -938,6 +942,8 @@ def main(argv=None) -> int:
     block = parse_size(args.block)
     if args.floor_writeback:
         FLOOR_OPTIONS.append("--writeback")
+    if args.floor_discard:
+        DISCARDING.append("--discard")
     if args.durable_floor:
         SIDES.insert(2, "durable")
     res = Results("bench_io", vars(args))

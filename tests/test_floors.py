@@ -138,3 +138,29 @@ def test_with_its_writer_gone_the_floors_fsync_fails_instead_of_lying_or_hanging
     assert (floor.mnt / "late").read_bytes() == b"kept in memory only"
     floor.umount()
     assert b"its writer process is gone" in floor.proc.stderr.read()
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("discard", [False, True])
+def test_the_floor_keeps_or_discards_what_is_written(tmp_path, discard):
+    """``bench_io.py --floor-discard`` measures a floor that carries the data through FUSE
+    and keeps none of it (reads give zeros, sizes are kept); without it the floor keeps the
+    data in memory. The figures mean that only if the floor does what it is told."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "nullfs.py"), str(mnt),
+                             *(["--discard"] if discard else [])], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mnt):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "nullfs.py did not mount"
+            time.sleep(0.02)
+        data = os.urandom(3 << 20)
+        (mnt / "f").write_bytes(data)
+        back = (mnt / "f").read_bytes()
+        assert len(back) == len(data)
+        assert back == (bytes(len(data)) if discard else data)
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
