@@ -902,8 +902,9 @@ def parse_args(argv=None):
     p.add_argument("--floor-writeback", action="store_true",
                    help="mount the floor with the writeback cache (what it would give mountfs)")
     p.add_argument("--floor-discard", action="store_true",
-                   help="the floor discards what is written (reads give zeros): what carrying "
-                        "the data through FUSE alone costs, without the floor's own copy")
+                   help="with --only seq (and rand): the floor discards what is written "
+                        "(reads give zeros): what carrying the data through FUSE alone "
+                        "costs, without the floor's own copy")
     p.add_argument("--durable-floor", action="store_true",
                    help="also measure scripts/durable_floor.py in each three-way figure: the "
                         "floor plus the least durability costs (every change committed to "
@@ -915,6 +916,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
+    if args.floor_discard and not set(args.only or ["all"]) <= {"seq", "rand"}:
+        p.error("--floor-discard goes with --only seq (and rand): a floor that keeps no data "
+                "cannot hold an untarred tree, a git repository or files read back")
     if args.quick:
         args.size, args.files, args.snap_sizes, args.creates = "32M", 500, "100,2000", 5
         args.chunk_sizes, args.sweep_size, args.repeat = "64K,1M", "16M", 1

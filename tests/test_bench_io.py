@@ -99,3 +99,17 @@ def test_a_run_does_not_touch_a_directory_it_cannot_attribute(tmp_path):
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench-io-foreign", "bench-io-live"]
     assert (foreign / "data").read_text() == "not a benchmark's"
+
+
+@pytest.mark.parametrize("only", [[], ["--only", "git"], ["--only", "seq", "--only", "small"]])
+def test_a_floor_that_keeps_nothing_is_refused_where_data_is_read_back(tmp_path, only):
+    """--floor-discard measures writes; an untar, a git checkout or files read back on a
+    floor that keeps no data would measure nothing real (git would fail on zeros)."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_io.py"),
+                           "--floor-discard", *only, "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        "bench_io.py: error: --floor-discard goes with --only seq (and rand): a floor that "
+        "keeps no data cannot hold an untarred tree, a git repository or files read back")
+    assert not any(tmp_path.iterdir())
