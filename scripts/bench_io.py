@@ -931,7 +931,7 @@ def check_tuning_variables() -> None:
     own words: the mount and the floors read them as they start, and would each stop."""
     from mountfs.errors import StoreError
     try:
-        import mountfs.committer, mountfs.filecache, mountfs.idlepoll  # noqa: F401,E401
+        import mountfs.idlepoll, mountfs.ops  # noqa: F401,E401  (what the floors import)
     except StoreError as e:
         raise SystemExit(f"bench_io: {e}") from None
 

@@ -25,12 +25,12 @@ import trio
 
 from mountfs.errors import StoreError
 
-try:
-    from mountfs import idlepoll                    # reads $MOUNTFS_IDLE_POLL
+try:        # importing these reads the $MOUNTFS_* tuning variables, as the mount does
+    from mountfs import idlepoll
+    from mountfs.mount import set_readahead
+    from mountfs.ops import ACL_XATTRS
 except StoreError as e:
     raise SystemExit(f"{os.path.basename(sys.argv[0]).removesuffix('.py')}: {e}") from None
-from mountfs.mount import set_readahead
-from mountfs.ops import ACL_XATTRS
 
 
 class Node:

@@ -136,19 +136,30 @@ def test_the_floors_refuse_a_window_that_would_spin_a_cpu(text):
         idlepoll.parse_window(text)
 
 
+BAD_SETTINGS = {
+    "MOUNTFS_IDLE_POLL=20ms": "$MOUNTFS_IDLE_POLL='20ms' is more than 0.01 s: it takes "
+                              "seconds (0 up to 0.01 s, e.g. 0.00005); fix or unset it",
+    "MOUNTFS_COMMIT_DELAY=x": "$MOUNTFS_COMMIT_DELAY='x' is not a duration: it takes seconds "
+                              "(0 up to 366d, e.g. 0.005 or 250ms); fix or unset it",
+    "MOUNTFS_DIRTY_EXPIRE=0": "$MOUNTFS_DIRTY_EXPIRE='0' is not a duration: it takes seconds "
+                              "(more than 0 up to 366d, e.g. 30 or 250ms); fix or unset it"}
+
+
+@pytest.mark.parametrize("setting", BAD_SETTINGS)
 @pytest.mark.parametrize("script", [["nullfs.py", "MNT"], ["durable_floor.py", "MNT", "STORE"],
                                     ["bench_io.py", "--quick"]])
-def test_the_benchmarks_refuse_a_bad_window_in_one_line(script, tmp_path):
-    """A window the mount would refuse stops the floors (which poll as the mount does) and
-    bench_io (before it sets anything up) with the mount's line, not a traceback."""
+def test_the_benchmarks_refuse_a_bad_tuning_variable_in_one_line(script, setting, tmp_path):
+    """A tuning variable the mount would refuse (the idle-poll window among them) stops the
+    floors (which read them as the mount does) and bench_io (before it sets anything up)
+    with the mount's line, not a traceback."""
     args = [str(tmp_path / a.lower()) if a.isupper() else a for a in script[1:]]
-    env = {**os.environ, "MOUNTFS_IDLE_POLL": "20ms"}
+    name, value = setting.split("=")
+    env = {**os.environ, name: value}
     done = subprocess.run([sys.executable, str(SCRIPTS / script[0]), *args], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.splitlines() == [
-        f"{script[0].removesuffix('.py')}: $MOUNTFS_IDLE_POLL='20ms' is more than 0.01 s: "
-        "it takes seconds (0 up to 0.01 s, e.g. 0.00005); fix or unset it"]
+        f"{script[0].removesuffix('.py')}: {BAD_SETTINGS[setting]}"]
     assert not any(tmp_path.iterdir())         # nothing mounted, no store made
 
 
