@@ -133,6 +133,8 @@ class OpenFile:
         self.dirty: dict[int, DirtyChunk] = {}
         self.queued = 0                       # bytes of dirty chunks that are queued
         self.flushing = 0                     # background flushes started, not ended
+        self.flush_pending = False            # the newest of them has not yet looked for
+                                              # complete chunks (``_flush_later``)
         self.opens = 0
         self.lock = CommitLock()
         self.error: int | None = None         # a failed background flush, reported once
@@ -395,8 +397,14 @@ class FileCache:
                     self._flush_later(of, old)
 
     def _flush_later(self, of: OpenFile, idxs: list[int]) -> None:
-        if self.nursery is not None:
+        """Commit ``idxs`` and the file's other complete chunks in the background, unless a
+        background flush that has not yet looked for them will: it takes these too. With
+        one task per complete chunk, all waiting for the file's lock and all woken by each
+        release, a seventh of the trio thread's samples in a sequential write were those
+        wake-ups (py-spy; docs/benchmarks.md, thirty-second round)."""
+        if self.nursery is not None and not of.flush_pending:
             of.flushing += 1
+            of.flush_pending = True
             self.nursery.start_soon(self._flush_background, of, idxs)
 
     async def _flush_background(self, of: OpenFile, idxs: list[int]) -> None:
@@ -406,6 +414,7 @@ class FileCache:
             of.error = e.errno
         finally:
             of.flushing -= 1
+            of.flush_pending = False    # (it looked, or never will: the next one must)
             self.flushed.set()          # a writer held back hears of it, whatever happened
 
     async def flush(self, of: OpenFile) -> None:
@@ -466,6 +475,7 @@ class FileCache:
         chunks of one file go together, never one commit per chunk."""
         cs = self.engine.chunk_size
         async with of.lock:
+            of.flush_pending = False    # chunks complete from now on need a flush of theirs
             if not final:
                 idxs = sorted(set(idxs) | {i for i, dc in of.dirty.items()
                                            if dc.complete(cs)})

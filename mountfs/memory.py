@@ -1,8 +1,7 @@
 """The malloc policy of the processes that move chunk data (the mount and its writer).
 
 Both handle chunk-sized (1 MiB) buffers by the thousand: pyfuse3's copy of each WRITE and
-the chunk's bytes in the mount; each frame read from the pipe and LMDB's overflow pages of
-every commit in the writer. With glibc's defaults each such buffer is an mmap faulted in page
+the chunk's bytes in the mount; LMDB's overflow pages of every commit in the writer. With glibc's defaults each such buffer is an mmap faulted in page
 by page and unmapped when freed (a TLB shootdown to the other threads' cores), and the heap
 is trimmed back to the kernel after every commit. On a VM that reports freed pages to its
 host, a page faulted in again costs the host's fault too."""

@@ -8,7 +8,7 @@ In a process of its own it runs beside them, on the machine's other core.
 
 How:
 * the mount starts ``python -P -m mountfs.writer STORE`` (``children``) with a pipe each
-  way and the store's lock file open: the child opens the store without taking the lock
+  way, the ring that carries chunk data (``mountfs.ring``) and the store's lock file open: the child opens the store without taking the lock
   (the mount holds it; the child holds the same open file, so the store stays locked until
   both are gone);
 * the child outlives a mount that dies: the end of its input (the mount's end of the
@@ -21,7 +21,8 @@ How:
   commit;
 * steps travel as data (``committer.Step``: a module-level function and plain arguments),
   pickled; the trio thread never waits for the pipe: what does not fit, and every step
-  carrying chunk data, is kept in order and written by a worker thread as the writer reads
+  carrying chunk data (placed in the ring by that thread, waiting for room there), is kept
+  in order and written by a worker thread as the writer reads
   (during a 1 GiB write, blocking writes had held the trio loop up to 0.19 s at a time);
   what a step wrote (marks, records) and its result come back, read on the trio thread
   (a system task waiting for the pipe), which calls the engine's callbacks in the
@@ -35,16 +36,19 @@ How:
   (``Engine.look``).
 
 Frames, mount -> writer: their length (``LENGTH``), a header (``HEADER``: PUT, POST or STOP,
-the step's number, the length of what is pickled), the pickled ``(kind, fn, args, nbytes)``,
-then the step's chunk data, raw. Posted steps go together as one BATCH frame: the header
+the step's number, the length of what is pickled), the pickled ``(kind, fn, args, nbytes)``;
+with RING added to PUT or POST, then the place of the step's chunk data in the ring
+(``RING_PLACE``). Posted steps go together as one BATCH frame: the header
 holds the first step's number and how many follow (their numbers are consecutive), the
 body one pickle of their ``(fn, args, nbytes, predicted)`` (a function named once for
 the batch, not once per step). A step carrying data pickles each large ``bytes`` as a
-reference to its place after the pickle (``_DataPickler``): a 1 MiB chunk is copied neither
-into the pickle by the mount nor out of it by the writer, and a worker thread, not the trio
-thread, copies it into the pipe (those copies took the trio thread, which serves every
-request, from 0.35 to 0.63 s per GiB written: docs/benchmarks.md, eleventh round). A frame
-the writer cannot read fails that step alone, as a step that raised would.
+reference to its place in the step's region of the ring (``_DataPickler``): a 1 MiB chunk is
+copied neither into the pickle by the mount nor out of it by the writer, and a worker
+thread, not the trio thread, copies it into the ring (copies on the trio thread, which
+serves every request, took it from 0.35 to 0.63 s per GiB written: docs/benchmarks.md,
+eleventh round); the writer hands LMDB views of the ring, and gives a region back after
+the commit of the step that read it. A frame the writer cannot read fails that step
+alone, as a step that raised would.
 
 Writer -> mount, frames of their length (``LENGTH``) then a pickle: ``("reply", outcome, ok)``,
 ``("ran", [outcome, ...], ok)``, ``("committed", n, txn_no, [outcome or seq, ...], ok)``,
@@ -83,11 +87,13 @@ from .committer import LIVE, Committer, Step, mispredicted
 from .memory import keep_freed_buffers
 from .prealloc import Preallocator
 from .namespace import FsError
+from .ring import Ring
 from .store import ORPHANED_WRITER, Store, relabel_lock, release_lock
 
 log = logging.getLogger(__name__)
 
-PIPE_BYTES = 1 << 20        # each pipe's capacity: a posted 1 MiB chunk fits in one write
+PIPE_BYTES = 1 << 20        # each pipe's capacity: batches of posted steps and replies of
+                            # read-back data (LOOK) in few writes (chunk data: the ring)
 NICE = 10                   # the writer's niceness: a thread of the request chain (the trio
                             # thread, the caller) woken on the core it runs on takes the core
                             # at once; at 0 the chain waited for it, and 10,000 creates took
@@ -98,6 +104,8 @@ HEADER = struct.Struct(">BQI")    # PUT, POST or STOP; the step's number; the pi
                                   # (BATCH: the first step's number; how many steps)
 _HEAD = struct.Struct(">IBQI")    # LENGTH and HEADER in one, for small frames
 PUT, POST, STOP, BATCH = 0, 1, 2, 3
+RING = 0x80                 # with PUT or POST: the step's data is in the ring (``mountfs.ring``)
+RING_PLACE = struct.Struct(">QQ")     # then, after the pickle: the region's position, length
 _F_SETPIPE_SZ = 1031
 RAW_BYTES = 64 << 10        # a step's data (bytes) at least this long travels raw
 POST_DELAY = 0.002          # posted steps wait this long to go to the writer together: one
@@ -143,6 +151,7 @@ class WriterProcess:
         self._answers_early = True
         self.failed: BaseException | None = None
         self._proc: subprocess.Popen | None = None
+        self._ring: Ring | None = None      # carries the steps' chunk data (``start``)
         self._out_fd = -1
         self._unsent: deque = deque()       # pieces of frames waiting for _flush_unsent
         self._batch: list[Step] = []        # posted steps not yet framed, in order (``held``)
@@ -163,11 +172,13 @@ class WriterProcess:
         for fd in (to_child_w, to_parent_w):
             _widen(fd)
         lockfd = self.store.lockfd if self.store.lockfd is not None else -1
-        keep = [to_child_r, to_parent_w] + ([lockfd] if lockfd >= 0 else [])
+        self._ring = Ring.create(self.store.chunk_size)
+        keep = [to_child_r, to_parent_w, *self._ring.fds] + ([lockfd] if lockfd >= 0 else [])
         try:
             self._proc = subprocess.Popen(
                 children.module_command("mountfs.writer", os.path.abspath(self.store.path),
-                                        str(to_child_r), str(to_parent_w), str(lockfd)),
+                                        str(to_child_r), str(to_parent_w), str(lockfd),
+                                        *map(str, self._ring.fds)),
                 pass_fds=keep, preexec_fn=_in_child, stdin=subprocess.DEVNULL,
                 env=children.module_env(), cwd=children.CWD)
         finally:
@@ -286,6 +297,7 @@ class WriterProcess:
             self._reader.join()
         os.close(self._out_fd)      # trio has ended: its epoll, which watched them, too
         os.close(self._replies_fd)
+        self._ring.close()
         self._proc = None
 
     def _send(self, op: int, step: Step, now: bool) -> None:
@@ -297,7 +309,8 @@ class WriterProcess:
         body = (step.kind, step.fn, step.args, step.nbytes) if op != POST else \
             (step.kind, *_batched(step, self._checked_every))
         try:
-            frame = _frame(op, step.seq, body, raw=step.nbytes >= RAW_BYTES)
+            frame = _frame(op, step.seq, body,
+                           ring=self._ring if step.nbytes >= RAW_BYTES else None)
         except Exception as e:          # not data (committer.Step): this call fails
             raise TypeError(f"a {step.kind} step is not data: {step.fn!r}: {e}") from None
         self._steps[step.seq] = step
@@ -319,7 +332,7 @@ class WriterProcess:
             _write_all(self._out_fd, deque(frame))
             return
         self._unsent.extend(frame)
-        self._raw_unsent += len(frame) > 1
+        self._raw_unsent += type(frame[-1]) is _RingFrame
         if now and not self._raw_unsent and not self._flushing:
             self._write_small()
             if not self._unsent:
@@ -547,10 +560,12 @@ def _call(fn, *args) -> None:
     fn(*args)
 
 
-def _frame(op: int, seq: int, body=None, raw: bool = False) -> list[memoryview]:
-    """A frame to the writer, in pieces: LENGTH, HEADER and the pickled ``body``; with
-    ``raw``, then each large ``bytes`` in ``body``, uncopied."""
-    if not raw:                 # most steps: one piece, built the quickest way
+def _frame(op: int, seq: int, body=None, ring: Ring | None = None) -> list:
+    """A frame to the writer: one piece, LENGTH, HEADER and the pickled ``body``; with a
+    ``ring``, each large ``bytes`` in ``body`` is left out of the pickle, to go through
+    the ring: the frame is then a ``_RingFrame``, which the thread that writes it places
+    there (``_write_all``)."""
+    if ring is None:            # most steps: one piece, built the quickest way
         pickled = pickle.dumps(body, protocol=5) if body is not None else b""
         return [memoryview(_HEAD.pack(HEADER.size + len(pickled), op, seq, len(pickled))
                            + pickled)]
@@ -559,15 +574,28 @@ def _frame(op: int, seq: int, body=None, raw: bool = False) -> list[memoryview]:
     pieces: list[bytes] = []
     _DataPickler(out, pieces).dump(body)
     head = out.getbuffer()
-    size = len(head) + sum(map(len, pieces))
-    LENGTH.pack_into(head, 0, size - LENGTH.size)
-    HEADER.pack_into(head, LENGTH.size, op, seq, len(head) - LENGTH.size - HEADER.size)
-    return [head, *map(memoryview, pieces)]
+    HEADER.pack_into(head, LENGTH.size, op | RING, seq, len(head) - LENGTH.size - HEADER.size)
+    return [_RingFrame(ring, head, pieces)]
+
+
+class _RingFrame:
+    """A frame whose chunk data goes through the ring: its head (LENGTH, HEADER, the pickle)
+    and the data, until ``placed`` copies the data into the ring (waiting for room, so
+    never on the trio thread) and gives the frame's bytes: the head, then the region."""
+    __slots__ = ("ring", "head", "pieces")
+
+    def __init__(self, ring: Ring, head: memoryview, pieces: list[bytes]):
+        self.ring, self.head, self.pieces = ring, head, pieces
+
+    def placed(self, gone_fd: int) -> memoryview:
+        place = RING_PLACE.pack(*self.ring.place(self.pieces, gone_fd))
+        LENGTH.pack_into(self.head, 0, len(self.head) + len(place) - LENGTH.size)
+        return memoryview(bytes(self.head) + place)
 
 
 class _DataPickler(pickle.Pickler):
     """Pickles each ``bytes`` of at least RAW_BYTES as ``(offset, length)`` of its place
-    among the raw pieces that follow the pickle (appended to ``pieces``)."""
+    among the step's pieces of data (appended to ``pieces``, placed in the ring together)."""
 
     def __init__(self, out, pieces: list):
         super().__init__(out, protocol=5)
@@ -583,7 +611,8 @@ class _DataPickler(pickle.Pickler):
 
 
 class _DataUnpickler(pickle.Unpickler):
-    """The writer's side of _DataPickler: each reference becomes a view of the frame."""
+    """The writer's side of _DataPickler: each reference becomes a view of ``data`` (its
+    region of the ring)."""
 
     def __init__(self, pickled, data: memoryview):
         super().__init__(io.BytesIO(pickled))
@@ -592,7 +621,7 @@ class _DataUnpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         offset, length = pid
         if not (0 <= offset and 0 <= length and offset + length <= len(self.data)):
-            raise pickle.UnpicklingError(f"data reference {pid} outside the frame")
+            raise pickle.UnpicklingError(f"data reference {pid} outside its region")
         return self.data[offset:offset + length]
 
 
@@ -609,12 +638,19 @@ def _written(pieces: deque, done: int) -> None:
 
 def _write_all(fd: int, pieces: deque) -> None:
     """Write ``pieces`` to ``fd`` (blocking or not: then waiting for room as the writer
-    reads, in a worker thread); what is written leaves ``pieces``."""
+    reads, in a worker thread), placing the data of each ``_RingFrame`` in the ring first;
+    what is written leaves ``pieces``. A frame's data is placed only once everything
+    before it is written: the room it waits for may be what the writer gives back after
+    running the frames before it."""
     room = select.poll()
     room.register(fd, select.POLLOUT)
     while pieces:
+        if type(pieces[0]) is _RingFrame:
+            pieces[0] = pieces[0].placed(fd)
+        ready = itertools.takewhile(lambda piece: type(piece) is not _RingFrame,
+                                    itertools.islice(pieces, _IOV_MAX))
         try:
-            _written(pieces, os.writev(fd, list(itertools.islice(pieces, _IOV_MAX))))
+            _written(pieces, os.writev(fd, list(ready)))
         except BlockingIOError:
             room.poll()
 
@@ -630,12 +666,12 @@ def _read_frame(incoming) -> bytes | None:
     return frame if len(frame) == length >= HEADER.size else None
 
 
-def _body(frame: memoryview, pickled: int):
-    """The step a frame's body (after HEADER) holds: ``pickled`` bytes of pickle, then the
-    raw data it refers to, if any."""
-    if len(frame) == pickled:
-        return pickle.loads(frame)
-    return _DataUnpickler(frame[:pickled], frame[pickled:]).load()
+def _body(frame: memoryview, pickled: int, data: memoryview | None = None):
+    """The step a frame's body (after HEADER) holds: ``pickled`` bytes of pickle; ``data``:
+    the region of the ring its chunk data is in."""
+    if data is None:
+        return pickle.loads(frame[:pickled])
+    return _DataUnpickler(frame[:pickled], data).load()
 
 
 def _widen(fd: int) -> None:
@@ -665,9 +701,13 @@ class _Writer:
     """The child's side: a Committer fed from the mount's frames, its callbacks (all in the
     committer's thread) sent back."""
 
-    def __init__(self, store: Store, out: int, lockfd: int = -1):
+    def __init__(self, store: Store, out: int, lockfd: int = -1, ring: Ring | None = None):
         self.out = out          # the pipe to the mount (blocking); -1 once the mount is gone
         self.lockfd = lockfd    # the store lock's open file, shared with the mount (-1: none)
+        self.ring = ring
+        self.regions: deque = deque()   # (step number, end) of the ring's regions in use
+        self.given = 0          # the ring's position up to which all is given back
+        self.last_run = 0       # the number of the last step that ran (or was answered)
         with store.read() as txn:
             live = store.live_epoch(txn)
         self.committer = Committer(store, live, self._committed, self._ran)
@@ -711,8 +751,22 @@ class _Writer:
                 return True
             if op == BATCH:
                 self._submit_batch(seq, pickled, memoryview(frame)[HEADER.size:])
+            elif op & RING:
+                self._submit_placed(op & ~RING, seq, memoryview(frame)[HEADER.size:], pickled)
             else:
                 self._submit(op, seq, memoryview(frame)[HEADER.size:], pickled)
+
+    def _submit_placed(self, op: int, seq: int, body: memoryview, pickled: int) -> None:
+        """A step whose data is in the ring: its region is in use until the step's
+        transaction has committed (``_give_back``)."""
+        try:
+            position, length = RING_PLACE.unpack_from(body, pickled)
+            data = self.ring.region(position, length)
+        except Exception as e:          # a bug: this step fails, as if it had raised
+            self._submit(op, seq, body, pickled, f"{type(e).__name__}: {e}")
+            return
+        self.regions.append((seq, position + length))
+        self._submit(op, seq, body, pickled, data)
 
     def _submit_batch(self, first: int, count: int, body: memoryview) -> None:
         """Post the ``count`` steps of a BATCH frame, numbered from ``first``. One that
@@ -731,10 +785,14 @@ class _Writer:
         step.seq, step.predicted = seq, predicted or {}
         self.committer.post(step)
 
-    def _submit(self, op: int, seq: int, body: memoryview, pickled: int) -> None:
+    def _submit(self, op: int, seq: int, body: memoryview, pickled: int,
+                data: memoryview | str | None = None) -> None:
+        """Run or post one step. ``data``: its region of the ring, or why it is unreadable."""
         predicted = {}
         try:
-            kind, fn, args, nbytes, *rest = _body(body, pickled)
+            if type(data) is str:
+                raise ValueError(data)
+            kind, fn, args, nbytes, *rest = _body(body, pickled, data)
             if op == POST:
                 predicted, = rest
         except Exception as e:          # a bug: this step fails, as if it had raised
@@ -747,6 +805,7 @@ class _Writer:
             self.committer.put(step)
 
     def _reply(self, step: Step) -> None:
+        self.last_run = step.seq
         self._tell_ran()                # the committer's order: what ran before, first
         self._send("reply", self._outcome(step))
 
@@ -756,6 +815,7 @@ class _Writer:
         is told at once: an answered change is lost, and the mount must stop answering
         changes before they run now, not at a commit a long COMMIT_DELAY puts off."""
         self.ran.extend(steps)
+        self.last_run = steps[-1].seq
         if any(step.error is not None for step in steps):
             self._tell_ran()
 
@@ -767,11 +827,23 @@ class _Writer:
     def _committed(self, n: int, txn_no: int) -> None:
         """Told with the commit of transaction ``txn_no``: the posted steps that ran since
         the last telling, each by its number alone if it is settled (``_settled``)."""
+        self._give_back()
         ran, self.ran = self.ran, []
         self._send("committed", n, txn_no,
                    [step.seq if self._settled(step, txn_no) else self._outcome(step)
                     for step in ran])
         self.prealloc.wake()
+
+    def _give_back(self) -> None:
+        """After a commit: the ring's regions of the steps that ran (all of them in a
+        committed transaction now, steps running in order) may be reused. Before the
+        mount is told, so that it never waits for room on a telling it has not read."""
+        end = self.given
+        while self.regions and self.regions[0][0] <= self.last_run:
+            end = self.regions.popleft()[1]
+        if end > self.given:
+            self.ring.give_back(end - self.given)
+            self.given = end
 
     def _settled(self, step: Step, txn_no: int) -> bool:
         """Whether a posted step ran without error in transaction ``txn_no`` (being told
@@ -830,6 +902,7 @@ def _portable(frame: tuple, problem: Exception) -> tuple:
 
 def main(argv: list[str]) -> int:
     path, incoming_fd, out_fd, lockfd = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    ring = Ring.attach(int(argv[4]), int(argv[5]))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s mountfs-writer %(levelname)s %(message)s")
     from . import engine, ops        # noqa: F401  the steps' modules, before the first step
@@ -837,7 +910,7 @@ def main(argv: list[str]) -> int:
     store = Store.open(path, lock=False)
     try:
         with open(incoming_fd, "rb", buffering=PIPE_BYTES) as incoming:
-            _Writer(store, out_fd, lockfd).serve(incoming)
+            _Writer(store, out_fd, lockfd, ring).serve(incoming)
     finally:
         store.close()
     return 0

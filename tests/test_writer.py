@@ -29,8 +29,9 @@ from mountfs import schema as S
 from mountfs import writer as writer_frames
 from mountfs.committer import BATCH_STEPS, COMMIT, LIVE, LOOK, Step
 from mountfs.engine import SYNC_INTERVAL, _checked_read
-from mountfs.filecache import _commit_chunks, chunk_digest
+from mountfs.filecache import STEP_BYTES, _commit_chunks, chunk_digest
 from mountfs.namespace import FsError, Live, View
+from mountfs.ring import RING_BYTES, Ring
 from mountfs.store import Store
 from mountfs.writer import RAW_BYTES, WriterProcess
 
@@ -319,12 +320,26 @@ def test_a_step_that_is_not_data_amid_posted_ones_loses_it_and_those_after(tmp_p
     assert not answers_early
 
 
-def _chunk_step(ino: int, chunks: list[bytes], done) -> Step:
-    """A step committing ``chunks`` as ``ino``'s data: more than the pipe holds."""
+def _chunk_step(ino: int, chunks: list[bytes], done, first: int = 0) -> Step:
+    """A step committing ``chunks`` as ``ino``'s data from chunk ``first`` on."""
+    size = (first + len(chunks)) * len(chunks[0])
     return Step(LIVE, _commit_chunks,
-                (ino, [(idx, chunk_digest(data), data) for idx, data in enumerate(chunks)],
-                 sum(map(len, chunks)), sum(map(len, chunks)), 1, True),
+                (ino, [(idx, chunk_digest(data), data)
+                       for idx, data in enumerate(chunks, first)], size, size, 1, True),
                 nbytes=sum(map(len, chunks)), done=done)
+
+
+def _more_than_the_ring(chunk_size: int) -> list[bytes]:
+    """Chunks of more data than the ring holds (``_chunk_steps`` sends them)."""
+    return [os.urandom(chunk_size) for _ in range(RING_BYTES // chunk_size + 3)]
+
+
+def _chunk_steps(ino: int, chunks: list[bytes], done) -> list[Step]:
+    """Steps committing ``chunks`` as ``ino``'s data, as the mount sends them: at most
+    ``filecache.STEP_BYTES`` each."""
+    per_step = STEP_BYTES // len(chunks[0])
+    return [_chunk_step(ino, chunks[first:first + per_step], done, first)
+            for first in range(0, len(chunks), per_step)]
 
 
 def _answers(replies: queue.SimpleQueue, n: int, within: float = 60.0) -> list[Step]:
@@ -340,16 +355,17 @@ def _create_step(name: bytes, done=None, posted=None) -> Step:
 
 @pytest.mark.parametrize("in_trio", [False, True], ids=["blocking", "trio"])
 def test_chunk_data_crosses_to_the_writer_intact_and_in_order(tmp_path, in_trio):
-    """A step's chunk data travels after its pickle, uncopied. In trio a worker thread
-    writes it, waiting for the writer to drain the pipe (which holds 1 MiB, the step
-    carries 3), and the small steps sent meanwhile wait behind it: one of them written
-    into the pipe in the middle of the data would garble every later frame."""
+    """Steps' chunk data travels through the ring, uncopied until placed. In trio a worker
+    thread places it, waiting for the writer to give room back (the steps carry more than
+    the ring holds), and the small steps sent meanwhile wait behind it: one of them sent
+    before a step whose data is not yet placed would run first, and one placed over data
+    the writer has not committed yet would store the wrong bytes."""
     path = tmp_path / "store"
     cli("mountfs", "mkfs", path)
     store = Store.open(path)
     with store.read() as txn:
         live = store.live_epoch(txn)
-    chunks = [os.urandom(store.chunk_size) for _ in range(3)]
+    chunks = _more_than_the_ring(store.chunk_size)
     names = [b"after%d" % n for n in range(20)]
     replies: queue.SimpleQueue = queue.SimpleQueue()
     writer = WriterProcess(store, lambda n, txn_no: None, lambda steps, committed: None)
@@ -361,7 +377,8 @@ def test_chunk_data_crosses_to_the_writer_intact_and_in_order(tmp_path, in_trio)
     def blocking() -> int:
         create_big_file()
         ino = replies.get(timeout=60).result[0]
-        writer.put(_chunk_step(ino, chunks, replies.put))
+        for step in _chunk_steps(ino, chunks, replies.put):
+            writer.put(step)
         for name in names:
             writer.put(_create_step(name, replies.put))
         return ino
@@ -369,18 +386,20 @@ def test_chunk_data_crosses_to_the_writer_intact_and_in_order(tmp_path, in_trio)
     async def from_trio() -> tuple[int, list[Step]]:
         create_big_file()       # answered on this thread: waited for without blocking it
         ino = (await trio.to_thread.run_sync(_answers, replies, 1))[0].result[0]
-        writer.put(_chunk_step(ino, chunks, replies.put))
+        steps = _chunk_steps(ino, chunks, replies.put)
+        for step in steps:
+            writer.put(step)
         for name in names:
-            await trio.sleep(0)         # the flusher's thread is writing the data meanwhile
+            await trio.sleep(0)         # the flusher's thread is placing the data meanwhile
             writer.put(_create_step(name, replies.put))
-        return ino, await trio.to_thread.run_sync(_answers, replies, 1 + len(names))
+        return ino, await trio.to_thread.run_sync(_answers, replies, len(steps) + len(names))
 
     try:
         if in_trio:
             ino, answered = trio.run(from_trio)
         else:
             ino = blocking()
-            answered = _answers(replies, 1 + len(names))
+            answered = _answers(replies, len(_chunk_steps(ino, chunks, None)) + len(names))
     except BaseException:
         writer._proc.kill()         # a garbled frame leaves it waiting for bytes never sent
         raise
@@ -390,8 +409,8 @@ def test_chunk_data_crosses_to_the_writer_intact_and_in_order(tmp_path, in_trio)
     assert [step.seq for step in answered] == sorted(step.seq for step in answered)
     with store.read() as txn:
         view = View(txn, store.db, live, store.chunk_size)
-        assert [view.chunk_data(ino, idx) for idx in range(3)] == chunks
-        assert view.inode(ino).size == 3 * store.chunk_size
+        assert [view.chunk_data(ino, idx) for idx in range(len(chunks))] == chunks
+        assert view.inode(ino).size == len(chunks) * store.chunk_size
         assert all(view.lookup(S.ROOT_INO, name) for name in names)
     store.close()
     fsck_clean(path)
@@ -524,11 +543,11 @@ def test_trio_ending_with_replies_in_flight_loses_nothing(tmp_path):
 
 
 def test_trio_ending_while_chunk_data_is_written_loses_no_later_step(tmp_path):
-    """Trio ends while the flusher's worker thread writes a step's chunk data into a full
-    pipe (the writer stopped a moment) and two posted creates wait behind it: they must
-    reach the writer after the data, whole, not be dropped with the cancelled task."""
+    """Trio ends while the flusher's worker thread waits to place steps' chunk data in a
+    full ring (the writer stopped a moment) and two posted creates wait behind it: they
+    must reach the writer after the data, whole, not be dropped with the cancelled task."""
     path, store, writer, ran = _new_writer(tmp_path)
-    chunks = [os.urandom(store.chunk_size) for _ in range(3)]
+    chunks = _more_than_the_ring(store.chunk_size)
     replies: queue.SimpleQueue = queue.SimpleQueue()
 
     async def end_while_writing() -> None:
@@ -536,9 +555,10 @@ def test_trio_ending_while_chunk_data_is_written_loses_no_later_step(tmp_path):
         writer.put(_create_step(b"big", replies.put))
         ino = (await trio.to_thread.run_sync(_answers, replies, 1))[0].result[0]
         os.kill(writer._proc.pid, signal.SIGSTOP)
-        writer.put(_chunk_step(ino, chunks, replies.put))
+        for step in _chunk_steps(ino, chunks, replies.put):
+            writer.put(step)
         with trio.fail_after(30):
-            while not writer._flushing:         # its thread waits for room in the pipe
+            while not writer._flushing:         # its thread waits for room in the ring
                 await trio.sleep(0.001)
         for name in (b"posted", b"posted2"):    # the second frames the first
             writer.post(_create_step(name, posted=((S.ROOT_INO, name),)))
@@ -553,25 +573,132 @@ def test_trio_ending_while_chunk_data_is_written_loses_no_later_step(tmp_path):
     with store.read() as txn:
         view = View(txn, store.db, store.live_epoch(txn), store.chunk_size)
         assert all(view.lookup(S.ROOT_INO, name) for name in (b"big", b"posted", b"posted2"))
+        ino = view.lookup(S.ROOT_INO, b"big")
+        assert [view.chunk_data(ino, idx) for idx in range(len(chunks))] == chunks
     store.close()
     fsck_clean(path)
 
 
-def test_a_frame_refers_to_its_data_without_copying_it():
-    """The mount's side hands the chunk's own bytes to the pipe; the writer's side reads
-    it as a view of the frame; a reference outside the frame is refused."""
+def test_a_frames_data_goes_through_the_ring_uncopied_until_placed():
+    """The mount's side leaves a chunk's own bytes out of the pickle; the thread that
+    writes the frame copies them into the ring and sends the region's place; the writer's
+    side reads them as a view of that region; a reference outside the region, or a region
+    outside the ring, is refused."""
     data, small = os.urandom(RAW_BYTES), os.urandom(RAW_BYTES - 1)
-    pieces = writer_frames._frame(0, 7, ("x", "f", ([(0, b"d", data)], small), 1), raw=True)
-    assert len(pieces) == 2 and pieces[1].obj is data
-    frame = b"".join(pieces)[writer_frames.LENGTH.size:]
+    ring = Ring.create(1 << 20)
+    r, w = os.pipe()
+    try:
+        pieces = writer_frames._frame(0, 7, ("x", "f", ([(0, b"d", data)], small), 1), ring=ring)
+        assert len(pieces) == 1 and pieces[0].pieces == [data]
+        assert pieces[0].pieces[0] is data
+        frame = bytes(pieces[0].placed(w))[writer_frames.LENGTH.size:]
+    finally:
+        os.close(r)
+        os.close(w)
     op, seq, pickled = writer_frames.HEADER.unpack_from(frame)
-    body = writer_frames._body(memoryview(frame)[writer_frames.HEADER.size:], pickled)
-    (_, _, ((chunks, got_small)), _) = body
-    assert (op, seq) == (0, 7) and isinstance(chunks[0][2], memoryview)
-    assert bytes(chunks[0][2]) == data and got_small == small
-    cut = memoryview(frame)[writer_frames.HEADER.size:-1]     # the data one byte short
-    with pytest.raises(pickle.UnpicklingError, match="outside the frame"):
-        writer_frames._body(cut, pickled)
+    assert (op, seq) == (writer_frames.RING | 0, 7)
+    body = memoryview(frame)[writer_frames.HEADER.size:]
+    position, length = writer_frames.RING_PLACE.unpack_from(body, pickled)
+    assert length == len(data) and len(body) == pickled + writer_frames.RING_PLACE.size
+    region = ring.region(position, length)
+    (_, _, ((chunks, got_small)), _) = writer_frames._body(body, pickled, region)
+    assert isinstance(chunks[0][2], memoryview) and bytes(chunks[0][2]) == data
+    assert got_small == small
+    with pytest.raises(pickle.UnpicklingError, match="outside its region"):
+        writer_frames._body(body, pickled, region[:-1])
+    for outside in ((ring.size - 10, 20), (0, ring.size + 1), (-1, 1)):
+        with pytest.raises(ValueError, match="outside the ring"):
+            ring.region(*outside)
+    ring.close()
+
+
+def _small_ring(size: int) -> Ring:
+    memfd = os.memfd_create("test-ring")
+    os.ftruncate(memfd, size)
+    return Ring(memfd, os.eventfd(0, os.EFD_NONBLOCK), size)
+
+
+def test_the_ring_waits_for_room_and_reuses_only_what_is_given_back():
+    """Regions go in order, each contiguous (the end skipped when a frame does not fit
+    there); a frame that finds no room waits until the writer gives back what it would
+    overwrite (the writer counts a skipped end with the region after it, which never
+    waits for it), and ends with BrokenPipeError when the writer is gone."""
+    ring = _small_ring(1000)
+    r, w = os.pipe()
+
+    def place_later(*pieces) -> tuple[threading.Thread, list]:
+        out = []
+
+        def place():
+            try:
+                out.append(ring.place(list(pieces), w))
+            except BrokenPipeError as e:
+                out.append(e)
+
+        thread = threading.Thread(target=place)
+        thread.start()
+        thread.join(0.3)
+        assert thread.is_alive() and not out, "placed over data not given back"
+        return thread, out
+
+    try:
+        assert ring.place([b"a" * 300, b"b" * 300], w) == (0, 600)
+        assert bytes(ring.region(0, 600)) == b"a" * 300 + b"b" * 300
+        late, placed = place_later(b"c" * 500)      # the end skipped, then [0, 500) in use
+        ring.give_back(400)
+        late.join(0.3)
+        assert late.is_alive() and not placed
+        assert bytes(ring.region(400, 200)) == b"b" * 200, "overwritten unfreed"
+        ring.give_back(200)
+        late.join(5)
+        assert placed == [(1000, 500)] and bytes(ring.region(1000, 500)) == b"c" * 500
+        late, placed = place_later(b"d" * 600)      # skips [1500, 2000) too
+        ring.give_back(900)         # c's region and the end skipped before it
+        late.join(5)
+        assert placed == [(2000, 600)] and bytes(ring.region(2000, 600)) == b"d" * 600
+        stuck, failed = place_later(b"e" * 600)
+        os.close(r)                 # the writer's end of the pipe: it is gone
+        r = -1
+        stuck.join(5)
+        assert not stuck.is_alive() and type(failed[0]) is BrokenPipeError
+        with pytest.raises(ValueError, match="more than the ring"):
+            ring.place([b"f" * 1001], w)
+    finally:
+        os.close(w)
+        if r >= 0:
+            os.close(r)
+        ring.close()
+
+
+def test_files_written_at_once_go_through_the_ring_whole(make_mount):
+    """Several files written at once through the mount, three laps of the ring: every
+    chunk is stored with its own bytes (fsck checks every digest) and reads back after a
+    remount, from the store. (A region given back before its step ran is caught by
+    ``test_trio_ending_while_chunk_data_is_written_loses_no_later_step``, whose writer is
+    stopped while the ring fills.)"""
+    m = make_mount()
+    files = 4
+    mib = 3 * RING_BYTES // (files << 20)       # three times what the ring holds
+    blocks = [os.urandom(1 << 20) for _ in range(files)]
+
+    def write(n):
+        with open(m.mnt / f"f{n}", "wb") as f:
+            for i in range(mib):
+                f.write(i.to_bytes(4, "little") + blocks[n][4:])
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(files)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    m.umount()
+    fsck_clean(m.store)
+    m.mount()
+    for n in range(files):
+        with open(m.mnt / f"f{n}", "rb") as f:
+            for i in range(mib):
+                assert f.read(1 << 20) == i.to_bytes(4, "little") + blocks[n][4:], (n, i)
 
 
 def test_snapctl_says_when_the_writer_process_is_stopped(make_mount):
@@ -607,7 +734,7 @@ def _minor_faults(pid: int) -> int:
 def test_a_sequential_writer_is_held_back_and_its_buffers_reused(make_mount):
     """A file written faster than the store takes it (here: its writer process stopped):
     the mount holds at most filecache.FLUSH_AHEAD of its complete chunks, then its writes
-    wait; once the writer runs again, it reuses the buffers of the frames it reads and of
+    wait; once the writer runs again, it reuses the ring (regions given back) and the buffers of
     LMDB's overflow pages. Before, the mount held the whole file (960 MB of a 1 GiB write,
     measured) and sent it in 64 MiB steps, each a fresh mapping in the writer faulted in
     page by page (about 500 faults per MiB): on a VM each fault of a fresh page costs the
@@ -656,3 +783,37 @@ def test_a_sequential_writer_is_held_back_and_its_buffers_reused(make_mount):
         for i in (0, seen, mib - 1):
             f.seek(i << 20)
             assert f.read(1 << 20) == i.to_bytes(8, "little") + block[8:]
+
+
+def _committed_chunks(store_path: Path, name: bytes, count: int) -> list[bytes]:
+    """The first ``count`` chunks of root's ``name`` as the store has committed them."""
+    store = Store.open(store_path, readonly=True, lock=False)
+    try:
+        with store.read() as txn:
+            view = View(txn, store.db, store.live_epoch(txn), store.chunk_size)
+            ino = view.lookup(S.ROOT_INO, name)
+            return [view.chunk_data(ino, idx) if ino else b"" for idx in range(count)]
+    finally:
+        store.close()
+
+
+def test_an_open_files_complete_chunks_are_committed_while_it_stays_open(make_mount):
+    """Chunks completed one by one, while a background flush of the file is under way or
+    waiting, are committed without a close or an fsync: at most one flush of a file
+    waits at a time (``FileCache._flush_later``), and it takes every chunk complete by
+    the time it starts; one complete after that starts the next. Within seconds, not at
+    the 30 s expiry of dirty data."""
+    m = make_mount()
+    count, cs = 12, 1 << 20
+    fd = os.open(m.mnt / "open", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for i in range(count):
+            os.write(fd, bytes([i + 1]) * cs)
+            time.sleep(0.002 * (i % 3))     # some complete during a flush, some not
+        deadline = time.monotonic() + 10
+        while (chunks := _committed_chunks(m.store, b"open", count)) \
+                != [bytes([i + 1]) * cs for i in range(count)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [chunk[:1] for chunk in chunks] == [bytes([i + 1]) for i in range(count)]
+    finally:
+        os.close(fd)
