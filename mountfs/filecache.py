@@ -135,6 +135,7 @@ class OpenFile:
         self.flushing = 0                     # background flushes started, not ended
         self.flush_pending = False            # the newest of them has not yet looked for
                                               # complete chunks (``_flush_later``)
+        self.flush_also: set[int] = set()     # and it is to take these too
         self.opens = 0
         self.lock = CommitLock()
         self.error: int | None = None         # a failed background flush, reported once
@@ -402,7 +403,9 @@ class FileCache:
         one task per complete chunk, all waiting for the file's lock and all woken by each
         release, a seventh of the trio thread's samples in a sequential write were those
         wake-ups (py-spy; docs/benchmarks.md, thirty-second round)."""
-        if self.nursery is not None and not of.flush_pending:
+        if of.flush_pending:
+            of.flush_also.update(idxs)      # chunks not complete: expired, or over the limit
+        elif self.nursery is not None:
             of.flushing += 1
             of.flush_pending = True
             self.nursery.start_soon(self._flush_background, of, idxs)
@@ -477,8 +480,9 @@ class FileCache:
         async with of.lock:
             of.flush_pending = False    # chunks complete from now on need a flush of theirs
             if not final:
-                idxs = sorted(set(idxs) | {i for i, dc in of.dirty.items()
-                                           if dc.complete(cs)})
+                idxs = sorted(set(idxs) | of.flush_also | {i for i, dc in of.dirty.items()
+                                                           if dc.complete(cs)})
+                of.flush_also.clear()
             todo = [(idx, of.dirty[idx]) for idx in idxs if idx in of.dirty]
             per_step = max(1, STEP_BYTES // cs)
             for first in range(0, len(todo), per_step):
