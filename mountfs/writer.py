@@ -8,9 +8,9 @@ In a process of its own it runs beside them, on the machine's other core.
 
 How:
 * the mount starts ``python -P -m mountfs.writer STORE`` (``children``) with a pipe each
-  way, the ring that carries chunk data (``mountfs.ring``) and the store's lock file open: the child opens the store without taking the lock
-  (the mount holds it; the child holds the same open file, so the store stays locked until
-  both are gone);
+  way, the ring that carries chunk data (``mountfs.ring``) and the store's lock file open:
+  the child opens the store without taking the lock (the mount holds it; the child holds
+  the same open file, so the store stays locked until both are gone);
 * the child outlives a mount that dies: the end of its input (the mount's end of the
   pipe closes with the mount) is a stop without the STOP frame, and it commits every step
   it has read, then exits, releasing the store lock (a frame cut short by the death is
@@ -107,7 +107,7 @@ PUT, POST, STOP, BATCH = 0, 1, 2, 3
 RING = 0x80                 # with PUT or POST: the step's data is in the ring (``mountfs.ring``)
 RING_PLACE = struct.Struct(">QQ")     # then, after the pickle: the region's position, length
 _F_SETPIPE_SZ = 1031
-RAW_BYTES = 64 << 10        # a step's data (bytes) at least this long travels raw
+RAW_BYTES = 64 << 10        # a step's data (bytes) at least this long goes through the ring
 POST_DELAY = 0.002          # posted steps wait this long to go to the writer together: one
                             # pipe write and one wake-up of the writer for several of them.
                             # 10,000 creates took 3.18-3.27 s instead of 3.40-3.45 (a wake-up
