@@ -103,11 +103,10 @@ class Ring:
         """Until everything before position ``freed`` is given back."""
         waiting = None
         while self._freed < freed:
-            try:
-                self._freed += os.eventfd_read(self.eventfd)
+            given = self._given_back()
+            if given:
+                self._freed += given
                 continue
-            except BlockingIOError:
-                pass
             if waiting is None:
                 waiting = select.poll()
                 waiting.register(self.eventfd, select.POLLIN)
@@ -115,6 +114,13 @@ class Ring:
             for fd, events in waiting.poll():
                 if fd == gone_fd and events & (select.POLLERR | select.POLLHUP):
                     raise BrokenPipeError("the writer process is gone")
+
+    def _given_back(self) -> int:
+        """The bytes the writer gave back since the last look (0: none yet)."""
+        try:
+            return os.eventfd_read(self.eventfd)
+        except BlockingIOError:
+            return 0
 
     # ---- the writer's side ----------------------------------------------------------------
 
