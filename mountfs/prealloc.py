@@ -1,5 +1,6 @@
-"""Keeps the store's data file allocated, and its pages in the page cache, ahead of LMDB's
-writes: a thread of the writer process, woken after each commit.
+"""Keeps the store's data file allocated, and (where free pages go back to the host) its
+pages in the page cache, ahead of LMDB's writes: a thread of the writer process, woken after
+each commit.
 
 Why: the committer's one thread is what a sequential write waits for, and 58% of its time
 went into the kernel copying each commit's pages into the data file (``pwrite`` past the
@@ -9,7 +10,11 @@ reserved, the extent tree updated). Here the next AHEAD bytes are allocated with
 the page cache with ``POSIX_FADV_WILLNEED`` (zero-filled, clean, never written back), in
 this thread, in steps of STEP: LMDB's writes then land in pages that exist. A 1 GiB write
 went from 344-442 to 669-703 MiB/s, and the writer process's CPU from 1.7-2.4 s to 0.9 s,
-this thread's included (docs/benchmarks.md, fourteenth round).
+this thread's included (docs/benchmarks.md, fourteenth round). That was on a VM whose free
+pages go back to its host (virtio-balloon free page reporting), where a fresh page costs a
+fault in the host. Where free pages stay the machine's, the caching made the mount's 1 GiB
+write 20-25% slower instead (549-613 MB/s against 711-817 without it, thirty-third round), so
+the tail is cached only while ``pages_go_back_to_the_host()``; it is allocated either way.
 
 Why it is safe: LMDB reads no page past the last one its meta page names, so a longer file
 changes nothing it reads, after a crash either; ``fallocate`` never changes bytes already
@@ -30,6 +35,8 @@ import mmap
 import os
 import threading
 import time
+from functools import cache
+from pathlib import Path
 
 from .committer import DEFER_MARGIN
 from .mapread import resident
@@ -43,6 +50,11 @@ READAHEAD = 128 << 10   # the kernel's default readahead window: what one WILLNE
 RECHECK = 1.0           # seconds between checks that reclaim left the prepared tail cached
                         # (after every commit, the check cost the writer 4 s of CPU per untar)
 _UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)     # no fallocate here
+REPORTING_ORDER = Path("/sys/module/page_reporting/parameters/page_reporting_order")
+MAX_PAGE_ORDER = 10     # the kernel's largest page order: a reporting order above it reports
+                        # nothing (how a benchmark suspends it, bench_io.pages_kept)
+VIRTIO_DEVICES = Path("/sys/bus/virtio/devices")
+_BALLOON, _F_REPORTING = "0x0005", 5    # virtio device id; feature bit: free page reporting
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -63,6 +75,37 @@ def _evicted(fd: int, start: int, end: int) -> bool:
     with mmap.mmap(fd, end - start, prot=mmap.PROT_READ, offset=start) as m:
         with memoryview(m) as pages:
             return not resident(pages)
+
+
+@cache
+def _reporting_device() -> bool:
+    """Whether a virtio balloon that takes free page reports is present (read once)."""
+    try:
+        devices = list(VIRTIO_DEVICES.iterdir())
+    except OSError:
+        return False
+    for device in devices:
+        try:
+            if (device / "device").read_text().strip() == _BALLOON and \
+                    (device / "features").read_text()[_F_REPORTING] == "1":
+                return True
+        except (OSError, IndexError):
+            continue
+    return False
+
+
+def pages_go_back_to_the_host() -> bool:
+    """Whether free pages are being handed back to a hypervisor (virtio-balloon free page
+    reporting, on): the first touch of such a page then costs a fault in the host, which
+    made a committer allocating its own page-cache pages 35-40% slower; where pages stay
+    the guest's, caching the tail ahead made the committer 20% slower instead (writes into
+    pages cached over unwritten extents; docs/benchmarks.md, thirty-third round). Read at
+    each preparing: the reporting order can change at run time."""
+    try:
+        order = int(REPORTING_ORDER.read_text())
+    except (OSError, ValueError):
+        return False
+    return order <= MAX_PAGE_ORDER and _reporting_device()
 
 
 def _cache(fd: int, start: int, end: int) -> None:
@@ -122,8 +165,9 @@ class Preallocator:
         fallocate)."""
         end = self.store.pages_end()
         start, want = max(prepared, end), end + AHEAD
+        caching = pages_go_back_to_the_host()
         now = time.monotonic()
-        if end < start and now - self._checked >= RECHECK:
+        if caching and end < start and now - self._checked >= RECHECK:
             self._checked = now
             if _evicted(fd, end, start):
                 _cache(fd, end, start)
@@ -135,5 +179,6 @@ class Preallocator:
             if e.errno in _UNSUPPORTED:
                 raise
             return max(prepared, os.fstat(fd).st_size)    # a full disk: what it did allocate
-        _cache(fd, start, want)
+        if caching:
+            _cache(fd, start, want)
         return want

@@ -1,6 +1,6 @@
-"""The data file prepared ahead of LMDB's writes (mountfs.prealloc): allocated and in the
-page cache past LMDB's last page, counted as free space, harmless to a crash, and given up
-on a disk running out of space."""
+"""The data file prepared ahead of LMDB's writes (mountfs.prealloc): allocated past LMDB's
+last page (and in the page cache, where free pages go back to the host), counted as free
+space, harmless to a crash, and given up on a disk running out of space."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from conftest import cli, fill_disk, fsck_clean, tmpfs_disk
 from mountfs.committer import DEFER_MARGIN
 from mountfs.mapread import resident
-from mountfs.prealloc import AHEAD, STEP, Preallocator
+from mountfs import prealloc
+from mountfs.prealloc import AHEAD, STEP, Preallocator, pages_go_back_to_the_host
 from mountfs.store import Store
 
 
@@ -67,9 +68,10 @@ def test_the_data_file_is_prepared_ahead_of_lmdb_and_counted_free(make_mount):
         for i in range(48):
             f.write(i.to_bytes(8, "little") + data[8:])
         os.fsync(f.fileno())
-    end, size = _prepared(m.store, commit=_committer(m.mnt))
+    caching = pages_go_back_to_the_host()
+    end, size = _prepared(m.store, cached=caching, commit=_committer(m.mnt))
     assert STEP <= size - end <= AHEAD + STEP, (end, size)
-    assert _resident(m.store / "data.mdb", end, size)
+    assert _resident(m.store / "data.mdb", end, size) == caching
     disk, mounted = os.statvfs(m.store), os.statvfs(m.mnt)
     free_disk = disk.f_bavail * disk.f_frsize
     free_mount = mounted.f_bavail * mounted.f_frsize
@@ -85,6 +87,8 @@ def test_the_data_file_is_prepared_ahead_of_lmdb_and_counted_free(make_mount):
     m.mount()
 
 
+@pytest.mark.skipif(not pages_go_back_to_the_host(),
+                    reason="free pages stay this machine's: the tail is not cached")
 def test_a_prepared_tail_that_reclaim_took_is_cached_again_after_the_next_commit(make_mount):
     """Reclaim takes the prepared pages first (never read; a VM's DAMON pageout does it
     within seconds), which left LMDB's next writes allocating pages again."""
@@ -168,6 +172,65 @@ def test_no_allocation_leaves_the_disk_below_the_margin(disk_of_400m):
                 assert (grew >= STEP) == allocates, (free >> 20, grew >> 20)
                 assert (now > prepared) == allocates
                 assert store.disk_free() >= DEFER_MARGIN
+        finally:
+            os.close(fd)
+    finally:
+        store.close()
+
+
+def _sysfs(tmp_path, order: str, features: str | None):
+    """A fake page_reporting order and, with ``features``, a virtio balloon offering them."""
+    (tmp_path / "order").write_text(order + "\n")
+    devices = tmp_path / "virtio"
+    devices.mkdir()
+    if features is not None:
+        (devices / "virtio0").mkdir()
+        (devices / "virtio0" / "device").write_text("0x0005\n")
+        (devices / "virtio0" / "features").write_text(features + "\n")
+    return tmp_path / "order", devices
+
+
+@pytest.mark.parametrize("order, features, reported", [
+    ("9", "0110010100", True),          # this machine: a balloon taking reports, order 9
+    ("11", "0110010100", False),        # reporting suspended (bench_io.pages_kept)
+    ("9", "0110000100", False),         # a balloon without free page reporting
+    ("9", None, False),                 # no balloon: the parameter alone reports nothing
+    ("x", "0110010100", False),         # unreadable: as if absent
+])
+def test_pages_count_as_going_back_only_with_a_reporting_balloon(tmp_path, monkeypatch, order,
+                                                                  features, reported):
+    path, devices = _sysfs(tmp_path, order, features)
+    monkeypatch.setattr(prealloc, "REPORTING_ORDER", path)
+    monkeypatch.setattr(prealloc, "VIRTIO_DEVICES", devices)
+    prealloc._reporting_device.cache_clear()
+    try:
+        assert pages_go_back_to_the_host() is reported
+    finally:
+        prealloc._reporting_device.cache_clear()
+
+
+@pytest.mark.parametrize("reported", [True, False])
+def test_the_tail_is_cached_only_where_pages_go_back_to_the_host(tmp_path, monkeypatch,
+                                                                 reported):
+    """Caching ahead pays where a fresh page costs the host a fault, and costs the committer
+    a fifth of its speed where it does not: the tail is allocated either way, cached only in
+    the first case."""
+    monkeypatch.setattr(prealloc, "pages_go_back_to_the_host", lambda: reported)
+    store_path = tmp_path / "store"
+    cli("mountfs", "mkfs", store_path)
+    store = Store.open(store_path)
+    try:
+        fd = os.open(store.data_file, os.O_RDWR)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            end = store.pages_end()
+            now = Preallocator(store)._prepare(fd, os.fstat(fd).st_size)
+            assert now == end + AHEAD == os.fstat(fd).st_size
+            deadline = time.monotonic() + 10
+            while reported and not _resident(store.data_file, end, now) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _resident(store.data_file, end, now) == reported
         finally:
             os.close(fd)
     finally:
