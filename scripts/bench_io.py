@@ -850,6 +850,66 @@ def bench_small3(work: Workdir, count: int, size: int, repeat: int, res: Results
                     verdict(f["mount"][k] >= TARGETS["small_ops"]) + " (>= 3,000/s)")
 
 
+def store_ingest(root: Path, size: int, block: int) -> dict:
+    """MB/s of the store's LMDB alone taking ``size`` bytes as ``block``-sized values: a
+    store made by ``mkfs`` and opened as the mount's writer opens it (each commit synced,
+    the meta page not), a commit every ``committer.TXN_BYTES`` as the writer's committer
+    makes at most, its data file prepared ahead by the writer's preallocator. Every byte
+    the mount keeps crosses this path, one writer at a time, and here nothing stands in
+    front of it (no FUSE, no hashing, no chunk map, no other process): the bound of the
+    mount's sequential write. The data is write_file's (unique per 4 KiB)."""
+    from mountfs.committer import TXN_BYTES
+    from mountfs.prealloc import Preallocator
+    from mountfs.store import Store
+    path = root / "ingest.store"
+    Store.mkfs(path)
+    store = Store.open(path)
+    prealloc = Preallocator(store)
+    prealloc.start()
+    try:
+        buf = bytearray(os.urandom(block))
+        blobs = store.db["blobs"]
+        t0 = time.perf_counter()
+        txn, pending = store.env.begin(write=True), 0
+        for n in range(size // block):
+            for off in range(0, block, 4096):
+                struct.pack_into("<Q", buf, off, (n * block + off) // 4096)
+            txn.put(n.to_bytes(32, "big"), buf, db=blobs)
+            pending += block
+            if pending >= TXN_BYTES:
+                store.commit(txn)
+                prealloc.wake()
+                txn, pending = store.env.begin(write=True), 0
+        store.commit(txn)
+        seconds = time.perf_counter() - t0
+    finally:
+        prealloc.stop()
+        store.close()
+        shutil.rmtree(path)
+    return {"write_mbs": size / seconds / 1e6}
+
+
+def bench_ingest(work: Workdir, size: int, block: int, repeat: int, figures: dict,
+                 res: Results) -> None:
+    """The store's write path alone (``store_ingest``), ``repeat`` runs after the three-way
+    figure, against its plain directory and mount medians."""
+    runs = []
+    for _ in range(repeat):
+        root = work.path / "ingest"
+        root.mkdir()
+        try:
+            runs.append(kept(store_ingest, root, size, block)["write_mbs"])
+        finally:
+            shutil.rmtree(root)
+    bound = statistics.median(runs)
+    plain, mnt = figures["plain"]["write_mbs"], figures["mount"]["write_mbs"]
+    res.add("store_ingest", {"write_mbs": bound, "runs": runs})
+    print(f"the store's write path alone (LMDB in the mount's mode, {block // 1024} KiB values, "
+          f"no FUSE): {bound:,.0f} MB/s, median of {len(runs)} "
+          f"({', '.join(f'{r:,.0f}' for r in runs)}): {bound / plain:.0%} of the plain "
+          f"directory; the mount writes at {mnt / bound:.0%} of it\n")
+
+
 def bench_seq3(work: Workdir, size: int, block: int, repeat: int, res: Results) -> None:
     figures = three_way(work, "seq", lambda root, remount: seq_pair(work, root / "big", size,
                                                                     block, remount), repeat)
@@ -861,6 +921,7 @@ def bench_seq3(work: Workdir, size: int, block: int, repeat: int, res: Results) 
                     lambda k, f: verdict(f["mount"][k] >= 0.4 * f["plain"][k]
                                          and f["mount"][k] >= 0.8 * f["floor"][k])
                     + " (>= 40% plain, 80% floor)")
+    bench_ingest(work, size, block, repeat, figures, res)
 
 
 # ---- main ------------------------------------------------------------------------------------
