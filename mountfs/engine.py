@@ -39,9 +39,12 @@ KNOWN_EMPTY_ENTRIES = 256  # Engine.known_empty looks at most at this many commi
 KNOWN_EMPTY_MARKS = 4096   # and at most at this many uncommitted marks
 INO_BLOCK = 1024    # inode numbers reserved at once for posted creates (a remount leaves
                     # the rest of a block unused: 2^40 numbers make that harmless)
-POSTED_BYTES = 8 << 20  # chunk data posted and not yet applied, at most: past it a flush
-                        # waits for its step, so a fast writer is held back by the store
-                        # (and buffered data stays within filecache's bound)
+POSTED_BYTES = 32 << 20     # chunk data posted and not yet applied, at most: past it a
+                            # flush waits for its step, so a fast writer is held back by the
+                            # store (and buffered data stays within filecache's bound). Four
+                            # of filecache's 8 MiB steps: at 8 MiB a second step waited for
+                            # the first to run, and a 1 GiB write made 788 MB/s, not 848
+                            # (docs/benchmarks.md, thirty-third round); half the ring
 GC_GATHER = 1.0     # s: the collector waits this long after a wake-up, so that the deletes
                     # of a second share its batches (each batch is a commit of its own)
 
