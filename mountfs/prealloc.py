@@ -96,11 +96,11 @@ def _reporting_device() -> bool:
 
 def pages_go_back_to_the_host() -> bool:
     """Whether free pages are being handed back to a hypervisor (virtio-balloon free page
-    reporting, on): the first touch of such a page then costs a fault in the host, which
-    made a committer allocating its own page-cache pages 35-40% slower; where pages stay
-    the guest's, caching the tail ahead made the committer 20% slower instead (writes into
-    pages cached over unwritten extents; docs/benchmarks.md, thirty-third round). Read at
-    each preparing: the reporting order can change at run time."""
+    reporting, on): the first touch of such a page then costs a fault in the host, and a
+    committer allocating its own page-cache pages wrote up to 35-40% slower; where pages
+    stay the guest's, caching the tail ahead made it 20% slower instead (docs/benchmarks.md,
+    thirty-third round). Read at each preparing: the reporting order can change at run
+    time."""
     try:
         order = int(REPORTING_ORDER.read_text())
     except (OSError, ValueError):
