@@ -284,9 +284,12 @@ async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> Non
 
 
 async def _on_signals() -> None:
+    """SIGTERM, SIGINT and SIGHUP unmount: a service stop, Ctrl-C, a foreground mount's
+    terminal closing. SIGHUP stays ignored if it came ignored (``nohup``)."""
     import pyfuse3
     import trio
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    hangup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else []
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, *hangup) as signals:
         async for _ in signals:
             log.info("signal received: unmounting")
             pyfuse3.terminate()

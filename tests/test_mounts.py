@@ -359,3 +359,29 @@ def test_a_mount_started_beside_another_mountfs_runs_its_own_code(make_mount, tm
     m.mount()
     assert (m.mnt / "f").read_text() == "written"
     assert "decoy" not in log_of(m.store)
+
+
+def test_a_foreground_mount_unmounts_when_its_terminal_hangs_up(store, tmp_path, make_mount):
+    """SIGHUP (the terminal of a ``--foreground`` mount closing) unmounts it cleanly, as
+    SIGTERM and Ctrl-C do: what was written stays, and the store is clean."""
+    from conftest import as_typed_at_a_terminal
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mount = subprocess.Popen([sys.executable, "-m", "mountfs.cli", "mount", "--foreground",
+                              str(store), str(mnt)], stderr=subprocess.PIPE,
+                             preexec_fn=as_typed_at_a_terminal)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.ismount(mnt) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (mnt / "kept").write_bytes(b"written before the hangup")
+        mount.send_signal(signal.SIGHUP)
+        assert mount.wait(timeout=60) == 0, mount.stderr.read().decode()
+    finally:
+        if mount.poll() is None:
+            mount.kill()
+            mount.wait()
+    assert not os.path.ismount(mnt)
+    fsck_clean(store)
+    again = make_mount(store)
+    assert (again.mnt / "kept").read_bytes() == b"written before the hangup"
