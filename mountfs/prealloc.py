@@ -165,11 +165,10 @@ class Preallocator:
         fallocate)."""
         end = self.store.pages_end()
         start, want = max(prepared, end), end + AHEAD
-        caching = pages_go_back_to_the_host()
         now = time.monotonic()
-        if caching and end < start and now - self._checked >= RECHECK:
+        if end < start and now - self._checked >= RECHECK:
             self._checked = now
-            if _evicted(fd, end, start):
+            if pages_go_back_to_the_host() and _evicted(fd, end, start):
                 _cache(fd, end, start)
         if want - start < STEP or self.store.disk_free() - (want - start) < DEFER_MARGIN:
             return prepared
@@ -179,6 +178,6 @@ class Preallocator:
             if e.errno in _UNSUPPORTED:
                 raise
             return max(prepared, os.fstat(fd).st_size)    # a full disk: what it did allocate
-        if caching:
+        if pages_go_back_to_the_host():        # read here: most wake-ups allocate nothing
             _cache(fd, start, want)
         return want
