@@ -526,6 +526,7 @@ i = 0
 while not os.path.exists(sys.argv[2]) or i < 1000:
     os.write(fd, b"line %07d\n" % i)
     i += 1
+print(i)
 """
 
 
@@ -537,18 +538,24 @@ def test_a_rollback_under_a_logger_appending_without_pause(make_mount, tmp_path)
     log, stop = m.mnt / "app.log", tmp_path / "stop"
     log.write_bytes(b"one\n")
     m.snapctl("create", "good")
-    logger = subprocess.Popen([sys.executable, "-c", LOGGER, str(log), str(stop)])
+    logger = subprocess.Popen([sys.executable, "-c", LOGGER, str(log), str(stop)],
+                              stdout=subprocess.PIPE)
     try:
         while os.stat(log).st_size < 100_000:
             assert logger.poll() is None
             time.sleep(0.01)
         restore(m, "good", "--force")
         rolled_back = os.stat(log).st_size
+        deadline = time.monotonic() + 60       # it goes on appending (stopped too soon, the
+        while os.stat(log).st_size <= rolled_back and time.monotonic() < deadline:
+            time.sleep(0.01)                   # logger may not have written once more)
     finally:
         stop.touch()
-        assert logger.wait(timeout=60) == 0
+        out, _ = logger.communicate(timeout=60)
+        assert logger.returncode == 0
     data = log.read_bytes()
     assert data.startswith(b"one\n") and len(data) > rolled_back
+    assert data.endswith(b"line %07d\n" % (int(out) - 1))     # its last write was kept
     assert re.fullmatch(rb"(line \d{7}\n)*", data[4:]), data[:64]
     numbers = [int(n) for n in re.findall(rb"\d{7}", data)]
     assert numbers == sorted(numbers) and numbers[-1] >= 999
