@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(fuse3 libfuse3-dev pkg-config gcc attr util-linux iproute2 rsync)
+packages=(fuse3 libfuse3-dev pkg-config gcc attr util-linux iproute2 rsync strace)
 missing=()
 for p in "${packages[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
