@@ -86,12 +86,22 @@ def tmpfs_disk(path: Path, size: str):
 
 def fill_disk(path: Path, most_mib: int) -> None:
     """Write ``path`` in 1 MiB blocks of random data, then fsync, on a disk that fills
-    before ``most_mib``: the call that fails (write, fsync or close) must say ENOSPC."""
+    before ``most_mib``: the call that fails (write, fsync or close) must say ENOSPC. Then
+    fill the store itself: the commit that failed had grown its data file into the last of
+    the disk, and LMDB takes that space again for the next transactions (up to one whole
+    transaction, 32 MiB, was left: a 5 MB write then still fitted), so ``path`` is appended
+    to 256 KiB at a time, each synced, until even that fails."""
     with pytest.raises(OSError) as info:
         with open(path, "wb") as h:
             for _ in range(most_mib):
                 h.write(os.urandom(1 << 20))
             os.fsync(h.fileno())
+    assert info.value.errno == errno.ENOSPC, info.value
+    with pytest.raises(OSError) as info:
+        with open(path, "ab") as h:
+            for _ in range(4 * most_mib):
+                h.write(os.urandom(256 << 10))
+                os.fsync(h.fileno())
     assert info.value.errno == errno.ENOSPC, info.value
 
 
