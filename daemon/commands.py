@@ -13,7 +13,7 @@ from dataclasses import asdict
 import click
 
 from mountfs.clitools import CONTEXT, DURATION, fail, mountpoint_option, target_options
-from mountfs.mount import find_mount, mounted_at
+from mountfs.mountinfo import find_mount, mounted_at
 from mountfs.snapnames import DAEMON_PREFIX, is_stamped
 from mountfs.store import StoreError
 from mountfs.units import counted, human_bytes

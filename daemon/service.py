@@ -33,7 +33,7 @@ from typing import NamedTuple
 import trio
 
 from mountfs import control
-from mountfs.mount import find_mount
+from mountfs.mountinfo import find_mount
 from mountfs.snapnames import is_stamped, stamped_name
 from mountfs.store import Store, StoreError
 from replicator import transfer

@@ -95,7 +95,7 @@ def _hidden_note(mountpoint: str) -> str:
     a user who mounts over their data must not believe it gone), or "". Not looked at if
     something is mounted there: a stopped mount would hang the listing, and the mount
     refuses that mountpoint anyway."""
-    from .mount import canonical, mounts
+    from .mountinfo import canonical, mounts
     path = canonical(mountpoint)
     if any(m.mountpoint == path for m in mounts()):
         return ""

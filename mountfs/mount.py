@@ -1,5 +1,5 @@
 """Mounting and unmounting: the mount process's life, from the store lock to a clean
-unmount, plus finding which store backs a mountpoint (/proc/self/mountinfo).
+unmount (finding which store backs a mountpoint is ``mountinfo``'s).
 
 ``mountfs mount`` starts the mount process in the background and returns once the mount is
 live (the child reports READY, or its error, on a pipe); ``--foreground`` runs it here.
@@ -12,21 +12,19 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import children
+from .mountinfo import MountInfo, canonical, mounted_at, mounts
 from .sdnotify import notify
 from .errors import StoreError
 
 log = logging.getLogger(__name__)
 
-FSTYPE = "fuse.mountfs"
 # s: how long a thread holding the GIL keeps a waiting one waiting (CPython's default is
 # 5 ms). The trio thread answers every request; the committer running a queue of posted
 # steps must not hold it off that long. 0.5 ms measured best (docs/benchmarks.md).
@@ -37,76 +35,6 @@ GIL_SWITCH = 0.0005
 # and with 4 MiB the next four chunks' (858 -> 974 MB/s on the second machine, random reads
 # unchanged; docs/benchmarks.md, twentieth round). Set through sysfs, so only as root.
 READAHEAD_KIB = 4096
-
-
-@dataclass
-class MountInfo:
-    mountpoint: str
-    store: str
-    device: str = ""        # "major:minor", the name of the mount's bdi in /sys/class/bdi
-
-
-def _unescape(field: str) -> str:
-    """A mountinfo field as the path it names: the kernel writes a space, tab, newline or
-    backslash in it as an octal escape; other bytes (UTF-8 or not) come as they are."""
-    if "\\" not in field:
-        return field
-    raw = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), os.fsencode(field))
-    return os.fsdecode(raw)
-
-
-def mounts() -> list[MountInfo]:
-    out = []
-    with open("/proc/self/mountinfo", errors="surrogateescape") as f:   # paths, any bytes
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, rfields = left.split(), right.split()
-            if rfields and rfields[0] == FSTYPE:
-                source = _unescape(rfields[1])
-                if source.startswith("mountfs:"):
-                    out.append(MountInfo(_unescape(fields[4]), source[len("mountfs:"):],
-                                         fields[2]))
-    return out
-
-
-def canonical(path: str, known: list[MountInfo] | None = None) -> str:
-    """``path`` as /proc/self/mountinfo names it: absolute, its symlinks resolved (the kernel
-    mounts on a link's target). Resolution stops at a mountfs mountpoint and never looks
-    inside one, so a mount whose process is stuck or dead cannot hang or fail the caller."""
-    inside = {m.mountpoint for m in (mounts() if known is None else known)}
-    parts = (path if os.path.isabs(path) else os.path.join(os.getcwd(), path)).split("/")
-    head = "/"
-    for i, part in enumerate(parts):
-        if part in ("", "."):
-            continue
-        if part == "..":                        # of the resolved directory, as the kernel does
-            head = os.path.dirname(head)
-            continue
-        step = os.path.join(head, part)
-        if step in inside:                      # a mountpoint is never a symlink: it is covered
-            return os.path.normpath(os.path.join(step, *parts[i + 1:]))
-        head = os.path.realpath(step)
-    return head
-
-
-def find_mount(path: str) -> MountInfo | None:
-    """The mountfs mount holding ``path`` (the deepest one)."""
-    known = mounts()
-    path = canonical(path, known)
-    best = None
-    for m in known:
-        if path == m.mountpoint or path.startswith(m.mountpoint.rstrip("/") + "/"):
-            if best is None or len(m.mountpoint) > len(best.mountpoint):
-                best = m
-    return best
-
-
-def mounted_at(store: str, known: list[MountInfo] | None = None) -> str | None:
-    """Where the store at ``store`` is mounted, if it is (compared as ``canonical`` names
-    paths: nothing inside a mount is looked up)."""
-    known = mounts() if known is None else known
-    store = canonical(store, known)
-    return next((m.mountpoint for m in known if canonical(m.store, known) == store), None)
 
 
 async def _raise_readahead(ops: Operations, mountpoint: str) -> None:
@@ -249,7 +177,7 @@ async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> Non
     import pyfuse3
     import trio
 
-    from .control import ControlServer
+    from .controlserver import ControlServer
     from .namespace import FsError
     engine.start()
     if not engine.store.readonly:

@@ -21,7 +21,7 @@ import click
 from . import control
 from .clitools import (CONTEXT, MOUNTPOINT, LazyGroup, escaped, fail, padded,
                        target_options, version_option)
-from .mount import find_mount
+from .mountinfo import find_mount
 from .errors import StoreError
 from .units import counted, human_bytes
 

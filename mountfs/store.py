@@ -353,7 +353,7 @@ class Store:
 def _refuse_a_mountpoint(path: Path) -> None:
     """Say so when ``path`` is where a store is mounted: a user giving the mountpoint for the
     store must be pointed at the store, not told to make one there (inside the mount)."""
-    from .mount import canonical, mounts        # only to explain a refusal
+    from .mountinfo import canonical, mounts    # only to explain a refusal
     known = mounts()
     where = canonical(str(path), known)
     store = next((m.store for m in known if m.mountpoint == where), None)

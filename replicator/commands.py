@@ -57,7 +57,7 @@ def refuse_mirror_inside_source(where: snapctl.Target, url: str) -> None:
         if top and _inside(path, os.path.realpath(top)):
             raise StoreError(f"the mirror {named} is inside the source {what} {top}; "
                              f"choose a directory outside it")
-    from mountfs.mount import find_mount
+    from mountfs.mountinfo import find_mount
     info = find_mount(path)
     if info is not None and os.path.realpath(info.store) == os.path.realpath(where.store):
         raise StoreError(f"the mirror {named} is inside the source filesystem "

@@ -221,7 +221,7 @@ MASTER = None                       # --cluster: the standalone master's URL
 def replicate(mnt: Path, mirror, snapshot: str) -> dict:
     """One cycle in this process as the daemon runs it: Spark for every transfer (no
     small-transfer shortcut), its session already started (see main)."""
-    from mountfs.mount import find_mount
+    from mountfs.mountinfo import find_mount
     from replicator.cycle import replicate as cycle
     try:
         return cycle(find_mount(str(mnt)).store, mirror, snapshot, master=MASTER).to_json()
@@ -311,7 +311,7 @@ def bench_verify(work: Workdir, token: Path, leaves: int) -> dict:
     """`snapctl verify` against a receiver holding a copy of a LEAVES-leaf snapshot: its
     time (command included, against `snapctl list` as the command's own start-up), the
     same verify in-process, and the bytes on the wire."""
-    from mountfs.mount import find_mount
+    from mountfs.mountinfo import find_mount
     from replicator.verify import verify
     store, mnt = work.path / "chunky", work.path / "cmnt"
     t = time.monotonic()

@@ -14,14 +14,14 @@ import time
 
 import pytest
 
-from mountfs import control
+from mountfs import control, controlserver
 
 
 def raw(m, payload: bytes) -> str:
     """Send ``payload`` as it is on the writable mount's socket; the error of the answer
     (at once, not after the mount's REQUEST_TIMEOUT)."""
     with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(control.REQUEST_TIMEOUT / 2)
+        s.settimeout(controlserver.REQUEST_TIMEOUT / 2)
         s.connect(str(control.socket_path(m.store)))
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(payload)          # refused before all of it was read: the answer says so
@@ -69,12 +69,12 @@ def stall(m, n: int) -> list[socket.socket]:
 def test_stalled_connections_are_capped_and_cut_off(mounted):
     """More than MAX_CONNECTIONS at once are told so at once; a connection that sends
     nothing is answered and closed after REQUEST_TIMEOUT, and the mount answers again."""
-    idle = stall(mounted, control.MAX_CONNECTIONS)
+    idle = stall(mounted, controlserver.MAX_CONNECTIONS)
     try:
         time.sleep(0.5)
         with pytest.raises(control.ControlError, match="serving 64 control connections"):
             control.request(mounted.store, {"op": "list"})
-        idle[0].settimeout(control.REQUEST_TIMEOUT + 10)
+        idle[0].settimeout(controlserver.REQUEST_TIMEOUT + 10)
         answer = json.loads(idle[0].makefile("rb").readline())
         assert answer == {"ok": False, "error": "no request within 10 s"}
         time.sleep(0.5)

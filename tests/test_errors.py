@@ -166,7 +166,7 @@ def test_a_store_path_is_a_name_not_mount_options(tmp_path, name):
         options = line.split()[-1].split(",")        # the superblock's: FUSE's own
         assert "allow_other" not in options and "x=1" not in options, line
         assert options == ["rw", "user_id=0", "group_id=0", "default_permissions"], line
-        from mountfs.mount import find_mount
+        from mountfs.mountinfo import find_mount
         assert find_mount(str(mnt)).store == str(store)
         (mnt / "f").write_text("kept")
         cli("snapctl", "-m", mnt, "create", "first")

@@ -44,6 +44,11 @@ def test_a_snapshot_taken_by_snapctl_create_loads_no_store_code(mounted):
     modules = set(res.stdout.splitlines()[-1].split())
     assert {m.split(".")[0] for m in modules}.isdisjoint(HEAVY), sorted(modules)
     assert {"mountfs.snapshots", "mountfs.namespace", "mountfs.store"}.isdisjoint(modules)
+    # Nor the mount process's code: finding the mount is mountinfo's, the control socket's
+    # server side controlserver's (with them came subprocess and logging: 10 ms of 110).
+    assert {"mountfs.mount", "mountfs.controlserver", "subprocess", "logging"}.isdisjoint(
+        modules), sorted({"mountfs.mount", "mountfs.controlserver", "subprocess",
+                          "logging"} & modules)
 
 
 @pytest.mark.parametrize("command, allowed", [

@@ -19,7 +19,8 @@ from mountfs import control
 from mountfs.control import ControlError, process_start
 from mountfs.errors import StoreError
 from mountfs.mapread import resident
-from mountfs.mount import READAHEAD_KIB, canonical, mounts
+from mountfs.mount import READAHEAD_KIB
+from mountfs.mountinfo import canonical, mounts
 from mountfs.store import Store
 
 
