@@ -45,6 +45,7 @@ STEP_BYTES = 8 << 20            # chunk data committed in one step at most: a st
                                 # stays below glibc's mmap threshold, so the writer process
                                 # reuses its buffers (64 MiB steps were each a fresh mapping,
                                 # faulted in page by page: docs/benchmarks.md, fourteenth round)
+READ_BACK = 64                  # stored chunks read back in one worker-thread call
 FLUSH_AHEAD = 32 << 20          # a file's complete chunks waiting for their commit, at most:
                                 # past it, its writes wait (as the kernel holds back a writer
                                 # past its dirty limit), so a fast sequential writer's buffers
@@ -353,31 +354,40 @@ class FileCache:
             of.queued -= self.engine.chunk_size
         self.flushed.set()
 
-    async def _stored_chunk(self, of: OpenFile, idx: int) -> bytes:
-        cs, ino, size = self.engine.chunk_size, of.ino, of.size
-        if idx * cs >= size:
-            return b""
-        data = await self.engine.look(lambda v: v.chunk_data(ino, idx), io=True, marks=(ino,))
-        return data[:max(0, size - idx * cs)]
+    async def _read_back(self, of: OpenFile, idxs) -> None:
+        """Merge each of the chunks ``idxs`` of which only ranges were written with its
+        stored chunk (``_merge``), READ_BACK of them read in one worker-thread call, all of
+        a flush's before any of them is committed. One chunk at a time, between the
+        commits of the groups before it, the fsync at the end of 10 s of random 4 KiB
+        writes on 1 GiB took 4.4-4.6 s; so, 3.8-4.5 (docs/benchmarks.md, thirty-fourth
+        round)."""
+        cs, ino = self.engine.chunk_size, of.ino
+        todo = [i for i in idxs if (dc := of.dirty.get(i)) is not None and dc.ranges is not None]
+        for first in range(0, len(todo), READ_BACK):
+            batch, size = todo[first:first + READ_BACK], of.size
+            stored = await self.engine.look(
+                lambda v: [v.chunk_data(ino, i)[:max(0, size - i * cs)] if i * cs < size
+                           else b"" for i in batch], io=True, marks=(ino,))
+            for idx, data in zip(batch, stored):
+                dc = of.dirty.get(idx)
+                if dc is not None and dc.ranges is not None:    # not merged meanwhile
+                    self._merge(dc, data)
 
     async def contents(self, of: OpenFile, first: int, last: int) -> dict[int, bytes]:
         """The buffered content of the dirty chunks among ``first``..``last``, each merged
         with its stored chunk where only ranges of it were written."""
-        out = {}
-        for idx in sorted(i for i in of.dirty if first <= i <= last):
-            dc = of.dirty.get(idx)
-            if dc is not None and dc.ranges is not None:
-                stored = await self._stored_chunk(of, idx)
-                if dc.ranges is not None:           # not merged meanwhile
-                    self._merge(dc, stored)
-            dc = of.dirty.get(idx)
-            if dc is not None:
-                out[idx] = bytes(dc.data)
-        return out
+        idxs = sorted(i for i in of.dirty if first <= i <= last)
+        await self._read_back(of, idxs)
+        return {idx: bytes(dc.data) for idx in idxs if (dc := of.dirty.get(idx)) is not None}
 
     @staticmethod
     def _merge(dc: DirtyChunk, stored: bytes) -> None:
-        """Lay the written ranges over the stored chunk: ``dc.data`` becomes the content."""
+        """Lay the written ranges over the stored chunk: ``dc.data`` becomes the content.
+        The bytearray is made here, on the trio thread, though the worker thread that read
+        ``stored`` could have made it without this copy: glibc gives each thread's
+        allocations an arena of its own, and a gigabyte of chunks kept from the workers'
+        arenas was fresh memory, faulted in page by page (the end of 1 GiB of random 4 KiB
+        writes took 5.7-5.8 s instead of 3.9: thirty-fourth round)."""
         base = bytearray(stored)
         for start, end in dc.ranges:
             if len(base) < start:
@@ -483,6 +493,7 @@ class FileCache:
                 idxs = sorted(set(idxs) | of.flush_also | {i for i, dc in of.dirty.items()
                                                            if dc.complete(cs)})
                 of.flush_also.clear()
+            await self._read_back(of, idxs)         # all of them before any is posted
             todo = [(idx, of.dirty[idx]) for idx in idxs if idx in of.dirty]
             per_step = max(1, STEP_BYTES // cs)
             for first in range(0, len(todo), per_step):
@@ -501,11 +512,7 @@ class FileCache:
                             whole: bool) -> None:
         """``whole``: the group holds every dirty chunk, so the step also commits the file's
         size and mtime (a close costs one commit, not two)."""
-        for idx, dc in group:
-            if dc.ranges is not None:
-                stored = await self._stored_chunk(of, idx)
-                if dc.ranges is not None:           # not merged by a read meanwhile
-                    self._merge(dc, stored)
+        await self._read_back(of, [idx for idx, _ in group])    # none left, mostly
         copies = [(idx, dc, dc.gen, bytes(dc.data)) for idx, dc in group]
         size, mtime = of.size, of.mtime_ns
         datas = [data for _, _, _, data in copies]

@@ -29,7 +29,7 @@ from mountfs import schema as S
 from mountfs import writer as writer_frames
 from mountfs.committer import BATCH_STEPS, COMMIT, LIVE, LOOK, Step
 from mountfs.engine import SYNC_INTERVAL, _checked_read
-from mountfs.filecache import STEP_BYTES, _commit_chunks, chunk_digest
+from mountfs.filecache import READ_BACK, STEP_BYTES, _commit_chunks, chunk_digest
 from mountfs.namespace import FsError, Live, View
 from mountfs.ring import RING_BYTES, Ring
 from mountfs.store import Store
@@ -817,3 +817,32 @@ def test_an_open_files_complete_chunks_are_committed_while_it_stays_open(make_mo
         assert [chunk[:1] for chunk in chunks] == [bytes([i + 1]) for i in range(count)]
     finally:
         os.close(fd)
+
+
+def test_small_writes_into_many_stored_chunks_read_back_in_batches(make_mount):
+    """A 4 KiB write into each of 256 stored chunks buffers only the written ranges; a read
+    of the open file and its fsync read the stored chunks back, READ_BACK at a time, and
+    merge them: every byte, written or not, reads back as it should, before the fsync, after
+    it and after a remount."""
+    m = make_mount()
+    path, cs, n = m.mnt / "big", 1 << 20, 4 * READ_BACK
+    data = bytearray(os.urandom(n * cs))
+    with open(path, "wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for idx in range(n):
+            piece = os.urandom(4096)
+            at = idx * cs + random.randrange(cs // 4096) * 4096
+            os.pwrite(fd, piece, at)
+            data[at:at + 4096] = piece
+        first = 3 * READ_BACK // 2          # a read across a batch's end merges those
+        assert os.pread(fd, 4 * cs, first * cs) == data[first * cs:(first + 4) * cs]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == data
+    m.umount()
+    m.mount()
+    assert path.read_bytes() == data
