@@ -98,6 +98,34 @@ class DirtyChunk:
         self.ranges = merged
 
 
+class ReadAhead:
+    """A read-back running beside a flush: ``wait`` returns once it is done and raises
+    what it raised (run inline at the wait where there is no nursery to run it in)."""
+    __slots__ = ("done", "error", "inline")
+
+    def __init__(self):
+        self.done = trio.Event()
+        self.error: Exception | None = None
+        self.inline = None          # what ``wait`` runs itself, with no nursery to run it
+
+    async def run(self, read, *args) -> None:
+        try:
+            await read(*args)
+        except Exception as e:      # the flush that waits for it raises it
+            self.error = e
+        finally:
+            self.done.set()
+
+    async def wait(self) -> None:
+        if self.inline is not None:
+            inline, self.inline = self.inline, None
+            await self.run(*inline)
+        await self.done.wait()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
 class CommitLock:
     """Serialises the commits of one file. Unlike trio.Lock, taking it when free costs no
     checkpoint and no parking-lot bookkeeping: it is taken on every close and attribute
@@ -356,11 +384,11 @@ class FileCache:
 
     async def _read_back(self, of: OpenFile, idxs) -> None:
         """Merge each of the chunks ``idxs`` of which only ranges were written with its
-        stored chunk (``_merge``), READ_BACK of them read in one worker-thread call, all of
-        a flush's before any of them is committed. One chunk at a time, between the
-        commits of the groups before it, the fsync at the end of 10 s of random 4 KiB
-        writes on 1 GiB took 4.4-4.6 s; so, 3.8-4.5 (docs/benchmarks.md, thirty-fourth
-        round)."""
+        stored chunk (``_merge``), READ_BACK of them read in one worker-thread call (a
+        flush reads the next READ_BACK ahead while it commits these: ``_read_ahead``). One
+        chunk at a time, between the commits of the groups before it, the fsync at the end
+        of 10 s of random 4 KiB writes on 1 GiB took 3.8-4.6 s; in batches, 2.7-3.0 s
+        (docs/benchmarks.md, thirty-fourth round)."""
         cs, ino = self.engine.chunk_size, of.ino
         todo = [i for i in idxs if (dc := of.dirty.get(i)) is not None and dc.ranges is not None]
         for first in range(0, len(todo), READ_BACK):
@@ -372,6 +400,20 @@ class FileCache:
                 dc = of.dirty.get(idx)
                 if dc is not None and dc.ranges is not None:    # not merged meanwhile
                     self._merge(dc, data)
+
+    def _read_ahead(self, of: OpenFile, idxs: list[int]) -> "ReadAhead":
+        """``_read_back(of, idxs)`` in the background, while the chunks before them are
+        hashed and committed: the read-back waits for the disk and LMDB's map, the commits
+        for the hashing threads and the writer. In the file cache's nursery, not one of the
+        flush's own: an error of the flush stays itself, not an exception group."""
+        ahead = ReadAhead()
+        if idxs and self.nursery is not None:
+            self.nursery.start_soon(ahead.run, self._read_back, of, idxs)
+        elif idxs:
+            ahead.inline = (self._read_back, of, idxs)
+        else:
+            ahead.done.set()
+        return ahead
 
     async def contents(self, of: OpenFile, first: int, last: int) -> dict[int, bytes]:
         """The buffered content of the dirty chunks among ``first``..``last``, each merged
@@ -493,12 +535,18 @@ class FileCache:
                 idxs = sorted(set(idxs) | of.flush_also | {i for i, dc in of.dirty.items()
                                                            if dc.complete(cs)})
                 of.flush_also.clear()
-            await self._read_back(of, idxs)         # all of them before any is posted
-            todo = [(idx, of.dirty[idx]) for idx in idxs if idx in of.dirty]
+            todo = [idx for idx in idxs if idx in of.dirty]
             per_step = max(1, STEP_BYTES // cs)
+            ahead = self._read_ahead(of, todo[:READ_BACK])
             for first in range(0, len(todo), per_step):
+                if first % READ_BACK == 0:      # this batch read back, the next one started
+                    await ahead.wait()
+                    ahead = self._read_ahead(of, todo[first + READ_BACK:first + 2 * READ_BACK])
+                group = [(idx, of.dirty[idx]) for idx in todo[first:first + per_step]
+                         if idx in of.dirty]
                 last = first + per_step >= len(todo)
-                await self._commit_group(of, todo[first:first + per_step], final and last)
+                await self._commit_group(of, group, final and last)
+            await ahead.wait()
             if final and of.mtime_ns is not None and not of.dirty:
                 mtime = of.mtime_ns
                 await self._save(of, _commit_attrs, (of.ino, of.size, of.size, mtime),
@@ -512,7 +560,7 @@ class FileCache:
                             whole: bool) -> None:
         """``whole``: the group holds every dirty chunk, so the step also commits the file's
         size and mtime (a close costs one commit, not two)."""
-        await self._read_back(of, [idx for idx, _ in group])    # none left, mostly
+        await self._read_back(of, [idx for idx, _ in group])    # those no read-ahead merged
         copies = [(idx, dc, dc.gen, bytes(dc.data)) for idx, dc in group]
         size, mtime = of.size, of.mtime_ns
         datas = [data for _, _, _, data in copies]
