@@ -537,11 +537,12 @@ class FileCache:
                 of.flush_also.clear()
             todo = [idx for idx in idxs if idx in of.dirty]
             per_step = max(1, STEP_BYTES // cs)
-            ahead = self._read_ahead(of, todo[:READ_BACK])
+            batch = per_step * max(1, READ_BACK // per_step)    # whole groups (small chunks)
+            ahead = self._read_ahead(of, todo[:batch])
             for first in range(0, len(todo), per_step):
-                if first % READ_BACK == 0:      # this batch read back, the next one started
+                if first % batch == 0:          # this batch read back, the next one started
                     await ahead.wait()
-                    ahead = self._read_ahead(of, todo[first + READ_BACK:first + 2 * READ_BACK])
+                    ahead = self._read_ahead(of, todo[first + batch:first + 2 * batch])
                 group = [(idx, of.dirty[idx]) for idx in todo[first:first + per_step]
                          if idx in of.dirty]
                 last = first + per_step >= len(todo)

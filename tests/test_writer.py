@@ -819,13 +819,17 @@ def test_an_open_files_complete_chunks_are_committed_while_it_stays_open(make_mo
         os.close(fd)
 
 
-def test_small_writes_into_many_stored_chunks_read_back_in_batches(make_mount):
-    """A 4 KiB write into each of 256 stored chunks buffers only the written ranges; a read
-    of the open file and its fsync read the stored chunks back, READ_BACK at a time, and
-    merge them: every byte, written or not, reads back as it should, before the fsync, after
-    it and after a remount."""
-    m = make_mount()
-    path, cs, n = m.mnt / "big", 1 << 20, 4 * READ_BACK
+@pytest.mark.parametrize("cs", [1 << 20, 64 << 10])
+def test_small_writes_into_many_stored_chunks_read_back_in_batches(make_mount, tmp_path, cs):
+    """A 4 KiB write into each of many stored chunks buffers only the written ranges; a read
+    of the open file and its fsync read the stored chunks back, a batch at a time (ahead of
+    the commits), and merge them: every byte, written or not, reads back as it should,
+    before the fsync, after it and after a remount. With 64 KiB chunks a commit group (128
+    chunks) is larger than READ_BACK."""
+    store = tmp_path / f"store-{cs}"
+    cli("mountfs", "mkfs", "--chunk-size", str(cs), store)
+    m = make_mount(store)
+    path, n = m.mnt / "big", 4 * max(READ_BACK, STEP_BYTES // cs)
     data = bytearray(os.urandom(n * cs))
     with open(path, "wb") as f:
         f.write(data)
