@@ -19,7 +19,17 @@ def setup_logging(verbose: bool) -> None:
                         stream=sys.stderr)
 
 
-@click.group(cls=LazyGroup, context_settings=CONTEXT)
+# What users of other filesystems' tools type, and what mountfs does instead.
+INSTEAD = {
+    "unmount": "'mountfs umount MOUNTPOINT' unmounts",
+    "create": "'mountfs mkfs STORE' creates a store; snapshots are 'snapctl create NAME'",
+    "init": "'mountfs mkfs STORE' creates a store",
+    "scrub": "'mountfs fsck STORE' checks every invariant and chunk digest",
+    "snapshot": "snapshots are 'snapctl create NAME'",
+}
+
+
+@click.group(cls=LazyGroup, context_settings=CONTEXT, instead=INSTEAD)
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages.")
 @version_option("mountfs")
 @click.pass_context

@@ -103,7 +103,19 @@ class OneLineCommand(_OneLine, click.Command):
 class OneLineGroup(_OneLine, click.Group):
     """A command group (mountfs, snapctl) whose usage errors, its own or its commands', are
     one line on stderr with status 2, and whose --help shows each command's whole first
-    sentence (click cuts them at 45 characters)."""
+    sentence (click cuts them at 45 characters). ``instead`` maps names that are not commands
+    but that users of other tools type (zfs's ``destroy``, ``rollback``) to what to run:
+    click's own "did you mean" only finds names spelt alike."""
+
+    def __init__(self, *args, instead: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.instead = dict(instead or {})
+
+    def resolve_command(self, ctx, args):
+        name = args[0] if args else None
+        if name in self.instead and self.get_command(ctx, name) is None:
+            raise OneLineUsageError(f"there is no '{name}' command; {self.instead[name]}", ctx)
+        return super().resolve_command(ctx, args)
 
     def format_commands(self, ctx, formatter) -> None:
         rows = []

@@ -129,7 +129,20 @@ def run(target: Target, request: dict, offline) -> dict:
         store.close()
 
 
-@click.group(cls=LazyGroup, context_settings=CONTEXT)
+# What users of zfs, zrepl and sanoid type, and what snapctl does instead.
+INSTEAD = {
+    "snapshot": "'snapctl create NAME' takes a snapshot",
+    "destroy": "'snapctl delete NAME' deletes a snapshot",
+    "rm": "'snapctl delete NAME' deletes a snapshot",
+    "ls": "'snapctl list' lists the snapshots",
+    "rollback": "'snapctl restore NAME --force' rolls the whole tree back to snapshot NAME",
+    "send": "'snapctl replicate --to URL' sends what changed to a mirror",
+    "receive": "'mountfs serve-mirror' receives into a mirror; 'snapctl replicate' sends",
+    "recv": "'mountfs serve-mirror' receives into a mirror; 'snapctl replicate' sends",
+}
+
+
+@click.group(cls=LazyGroup, context_settings=CONTEXT, instead=INSTEAD)
 @click.option("-m", "--mountpoint", type=MOUNTPOINT, metavar="PATH",
               help="The mounted filesystem.")
 @click.option("--store", type=click.Path(), help="A store directory (mounted or not).")

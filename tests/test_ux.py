@@ -515,6 +515,21 @@ def test_version_and_help_everywhere():
     assert one_line_error(res, code=2).startswith("mountfsd: give NAME")
 
 
+def test_commands_of_other_tools_say_what_to_run_instead():
+    """A zfs user's `snapctl destroy`, `rollback` or `send`: one line naming the command
+    that does it (click's "did you mean" only finds names spelt alike), status 2; a
+    misspelt real command still gets click's suggestion."""
+    for tool, name, hint in (("snapctl", "destroy", "'snapctl delete NAME'"),
+                             ("snapctl", "rollback", "'snapctl restore NAME --force'"),
+                             ("snapctl", "send", "'snapctl replicate --to URL'"),
+                             ("mountfs", "unmount", "'mountfs umount MOUNTPOINT'"),
+                             ("mountfs", "scrub", "'mountfs fsck STORE'")):
+        err = one_line_error(cli(tool, name, "x", check=False), code=2)
+        assert err.startswith(f"{tool}: there is no '{name}' command; {hint}"), err
+    err = one_line_error(cli("snapctl", "delet", "x", check=False), code=2)
+    assert "Did you mean 'delete'?" in err, err
+
+
 def test_install_systemd_help_installs_nothing(tmp_path):
     env = dict(os.environ, DEST=str(tmp_path / "units"), CONFIG_DIR=str(tmp_path / "etc"))
     res = subprocess.run(["bash", TOP / "scripts/install-systemd", "--help"], env=env,
