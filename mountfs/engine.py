@@ -23,7 +23,7 @@ from collections import OrderedDict
 import blake3
 import trio
 
-from . import gc, snapshots
+from . import chunkfile, gc, snapshots
 from . import schema as S
 from .committer import COMMIT, LIVE, LOOK, SYNC, TXN, Step, mispredicted
 from .filecache import INLINE_HASH, FileCache
@@ -122,7 +122,7 @@ class Engine:
             digests = [digest for digest, _ in pending]
             if inline and sum(length for _, length in pending) > INLINE_HASH:
                 return _IN_A_THREAD, digests
-            blobs = [v.txn.get(digest, db=self.db["blobs"]) for digest in digests]
+            blobs = [chunkfile.get(v.txn, v.db, digest) for digest in digests]
             if inline and not _in_memory(blobs):
                 return _IN_A_THREAD, digests
             return _first_corrupt(digests, blobs), digests
@@ -717,7 +717,7 @@ def _checked_read(view: View, ino: int, off: int, end: int, size: int):
     cs = view.chunk_size
     chunks = (view.chunk(ino, idx) for idx in range(off // cs, (end - 1) // cs + 1))
     digests = [c[0] for c in chunks if c is not None]
-    bad = _first_corrupt(digests, [view.txn.get(d, db=view.db["blobs"]) for d in digests])
+    bad = _first_corrupt(digests, [chunkfile.get(view.txn, view.db, d) for d in digests])
     if bad is not None:
         return bad, None, None
     return None, view.read(ino, off, end - off, size), digests

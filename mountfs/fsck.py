@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from . import buckets, invariants
+from . import buckets, chunkfile, invariants
 from . import schema as S
 from .namespace import View
 from .snapshots import interrupted_at, list_all, live_epoch
@@ -193,7 +193,47 @@ def _check_chunks(txn, dbs, chunk_size: int, report: Report) -> None:
         if lengths[key] and lengths[key] != {len(data)}:
             report.problems.append(f"chunk {key.hex()[:16]}: stored length {len(data)} but "
                                    f"chunk maps say {sorted(lengths[key])}")
+    blobs += _check_slots(txn, dbs, chunk_size, stored, lengths, report)
     for digest in stored:
-        if txn.get(digest, db=dbs["blobs"]) is None:
+        if not chunkfile.has(txn, dbs, digest):
             report.problems.append(f"chunk {digest.hex()[:16]}: referenced but missing")
     report.chunks = blobs
+
+
+def _check_slots(txn, dbs, chunk_size: int, stored: dict, lengths, report: Report) -> int:
+    """The chunk file's invariants (chunkfile.py): each slot below ``next_slot`` named once,
+    by a chunk or as free; a chunk in a slot is referenced, in no blob, and its bytes there
+    match its digest. Returns the number of chunks in slots."""
+    raw = txn.get(chunkfile.NEXT_SLOT, db=dbs["meta"])
+    end = S.from_u64(raw) if raw is not None else 0
+    named = Counter()
+    for key in txn.cursor(db=dbs["freeslots"]).iternext(values=False):
+        named[S.from_u64(bytes(key)[8:16])] += 1
+    chunks = 0
+    for key, value in txn.cursor(db=dbs["slots"]):
+        digest, slot = bytes(key), S.from_u64(value)
+        chunks += 1
+        named[slot] += 1
+        where = f"chunk {digest.hex()[:16]} (slot {slot})"
+        if digest not in stored:
+            report.problems.append(f"{where}: stored but unreferenced")
+        if txn.get(digest, db=dbs["blobs"]) is not None:
+            report.problems.append(f"{where}: stored twice, also in LMDB")
+        data = dbs.chunkfile.read(slot) if slot < end else b""
+        if blake3.blake3(data).digest() != digest:
+            report.problems.append(f"{where}: data in the chunk file does not match its "
+                                   f"digest (corrupt or missing)")
+        if lengths[digest] and lengths[digest] != {chunk_size}:
+            report.problems.append(f"{where}: a full chunk, but chunk maps say "
+                                   f"{sorted(lengths[digest])}")
+    unnamed = end - sum(1 for slot in named if slot < end)
+    if unnamed:
+        report.problems.append(f"chunk file: {unnamed} slot(s) below {end} are neither in "
+                               f"use nor free (leaked)")
+    for slot, n in sorted(named.items()):
+        if slot >= end:
+            report.problems.append(f"chunk file: slot {slot} is named but beyond its last "
+                                   f"({end})")
+        elif n > 1:
+            report.problems.append(f"chunk file: slot {slot} is named {n} times")
+    return chunks

@@ -13,6 +13,7 @@ import errno
 import stat
 import time
 
+from . import chunkfile
 from . import schema as S
 from .store import delete_live, get_at, iter_visible, put_live
 
@@ -111,7 +112,7 @@ class View:
             yield S.from_u64(base[8:16])
 
     def blob(self, digest: bytes):
-        data = self.txn.get(digest, db=self.db["blobs"])
+        data = chunkfile.get(self.txn, self.db, digest)
         if data is None:
             raise FsError(errno.EIO, f"chunk {digest.hex()} is missing from the store")
         return data
@@ -136,7 +137,9 @@ class View:
             if c is None:
                 out += bytes(take)
             else:
-                piece = self.blob(c[0])[within:within + take]
+                piece = chunkfile.get_range(self.txn, self.db, c[0], within, take)
+                if piece is None:
+                    raise FsError(errno.EIO, f"chunk {c[0].hex()} is missing from the store")
                 out += piece
                 if len(piece) < take:
                     out += bytes(take - len(piece))
@@ -446,7 +449,7 @@ class Live(View):
     def _incref(self, digest: bytes, data) -> None:
         raw = self.txn.get(digest, db=self.db["refs"])
         if raw is None:
-            self.txn.put(digest, data, db=self.db["blobs"])
+            chunkfile.put(self.txn, self.db, digest, data)
             n = 1
         else:
             n = S.from_u64(raw) + 1
@@ -466,7 +469,7 @@ class Live(View):
             self.txn.put(digest, S.u64(n), db=self.db["refs"])
         else:
             self.txn.delete(digest, db=self.db["refs"])
-            self.txn.delete(digest, db=self.db["blobs"])
+            chunkfile.delete(self.txn, self.db, digest)
 
     # ---- removal of unlinked inodes ----------------------------------------------------------
 

@@ -30,6 +30,7 @@ meta      unversioned  b'format' -> u32 FORMAT_VERSION, b'chunk_size' -> u32,
                        b'undo_to' -> epoch:u64 + snapshot uuid or b'' while a change of the
                        live tree spanning transactions is unfinished (snapshots.begin_undoable)
                        b'staged_bytes' -> bytes staged:u64 + when the last batch was staged:u64 (s)
+                       b'next_slot' -> u64 (the chunk file's first slot never used)
 inodes    versioned    ino:u64 -> INODE struct + name + symlink target (the record names one
                        current location of the inode, parent + name: exact for directories,
                        the newest link for files, so any epoch's path is O(depth) to rebuild)
@@ -44,6 +45,11 @@ xattrs    versioned    ino:u64 + name + NUL -> b'\\x01' + value
 parents   unversioned  child:u64 + parent:u64 + name -> b''   (live tree only: every name
                        of every inode, to propagate mepoch through all parents of hard links)
 blobs     unversioned  digest:32 -> chunk bytes   (content-addressed, stored once)
+slots     unversioned  digest:32 -> slot:u64   (a full chunk kept in the chunk file instead:
+                       chunkfile.py, with its invariants and crash order; a digest is in
+                       ``blobs`` or here, never both)
+freeslots unversioned  freeing txn id:u64 + slot:u64 -> b''   (slots of the chunk file free
+                       for reuse once that transaction is durable and no reader is older)
 refs      unversioned  digest:32 -> count:u64    (number of chunk-map versions naming it)
 snaps     unversioned  name -> SNAP struct
 snapepochs unversioned epoch:u64 -> name
@@ -71,7 +77,8 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+UPGRADABLE = (2,)           # older versions a writable open brings to this one in place
 MAX_EPOCH = 2**64 - 1
 ROOT_INO = 1
 # Store inode numbers are below 2**40: far below the mount's virtual range (2**62 and up,
@@ -86,7 +93,7 @@ NAME_MAX = 255
 
 DB_NAMES = (
     "meta", "inodes", "dirents", "chunks", "chunklog", "changelog", "xattrs", "parents",
-    "blobs", "refs", "snaps", "snapepochs", "orphans", "purge", "staged", "buckets",
+    "blobs", "slots", "freeslots", "refs", "snaps", "snapepochs", "orphans", "purge", "staged", "buckets",
 )
 VERSIONED_DBS = ("inodes", "dirents", "chunks", "xattrs")
 

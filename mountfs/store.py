@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import lmdb
 
-from . import buckets
+from . import buckets, chunkfile
 from . import schema as S
 from .errors import StoreError
 from .strictmodes import check_new_store, check_store, open_regular
@@ -89,7 +89,8 @@ class Store:
         self._values: MapReader | None = None     # set when opened without readahead
         self._shared: _SharedEnv | None = None    # the environment's entry, if shared
         self._closed = False
-        self.db = {name: env.open_db(name.encode(), create=False) for name in S.DB_NAMES}
+        self.db = chunkfile.Tables(
+            (name, env.open_db(name.encode(), create=False)) for name in S.DB_NAMES)
         with env.begin() as txn:
             self.bucket_count = buckets.count_of(txn, self.db)
             buckets.track(self.db, self.bucket_count)
@@ -97,6 +98,7 @@ class Store:
             self.uuid = bytes(txn.get(b"uuid", db=self.db["meta"]))
             mirror_of = txn.get(b"mirror_of", db=self.db["meta"])
             self.mirror_of = bytes(mirror_of) if mirror_of is not None else None
+        self.db.chunkfile = chunkfile.ChunkFile(path, self.chunk_size, not readonly, env)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -159,7 +161,7 @@ class Store:
         try:
             env = _open_env(path, readonly=readonly, create=False, readahead=readahead)
             _check_size(env, path)
-            _check_format(env, path)
+            _check_format(env, path, upgrade=not readonly)
             store = cls(path, env, lockfd, readonly)
             if not readahead:
                 from .mapread import MapReader      # ctypes: loaded only where needed
@@ -234,6 +236,7 @@ class Store:
         if self._values is not None:
             self._values.close()
             self._values = None
+        self.db.chunkfile.close()
         if self.lockfd is not None:
             release_lock(self.lockfd)
             self.lockfd = None
@@ -261,6 +264,7 @@ class Store:
         with self._write_errors():
             with self.env.begin(write=True, buffers=True) as txn:
                 yield txn
+                self.db.chunkfile.sync()        # the slots this commit names, first
 
     def commit(self, txn: lmdb.Transaction, last_writes=None) -> None:
         """Commit a write transaction begun with ``env.begin`` (the mount's committer keeps
@@ -269,6 +273,7 @@ class Store:
         with self._write_errors():
             if last_writes is not None:
                 last_writes(txn)
+            self.db.chunkfile.sync()            # the slots this commit names, first
             txn.commit()
 
     def release_freed_pages(self) -> bool:
@@ -344,9 +349,10 @@ class Store:
         with self.env.begin() as txn:
             in_use = sum(_pages(txn.stat(db)) for db in self.db.values()) + \
                 _pages(self.env.stat())
+            slots_used, slots_free = chunkfile.usage(txn, self.db, self.chunk_size)
         file_pages = self.env.info()["last_pgno"] + 1
-        free_inside = max(0, file_pages - in_use) * psize + self._tail()
-        return in_use * psize, st.f_bavail * st.f_frsize + free_inside, \
+        free_inside = max(0, file_pages - in_use) * psize + self._tail() + slots_free
+        return in_use * psize + slots_used, st.f_bavail * st.f_frsize + free_inside, \
             st.f_blocks * st.f_frsize
 
 
@@ -457,7 +463,7 @@ def _meta(head: bytes, at: int) -> tuple[int, list[int]] | None:
     return txnid, [r for r in roots if r != _P_INVALID]
 
 
-def _check_format(env: lmdb.Environment, path: Path) -> None:
+def _check_format(env: lmdb.Environment, path: Path, upgrade: bool = False) -> None:
     try:
         with env.begin() as txn:
             meta = env.open_db(b"meta", txn=txn, create=False)
@@ -468,10 +474,29 @@ def _check_format(env: lmdb.Environment, path: Path) -> None:
         env.close()
         raise StoreError(f"{path} is not a mountfs store (no format record)")
     version = S.U32.unpack(raw)[0]
+    if version in S.UPGRADABLE and upgrade:
+        _upgrade(env)
+        return
+    if version in S.UPGRADABLE:
+        env.close()
+        raise StoreError(f"{path}: store format version {version} is an older one: mount it "
+                         f"once with this mountfs (which upgrades it in place to version "
+                         f"{S.FORMAT_VERSION}), then try again")
     if version != S.FORMAT_VERSION:
         env.close()
         raise StoreError(f"{path}: store format version {version} is not supported by this "
                          f"mountfs (which reads version {S.FORMAT_VERSION})")
+
+
+def _upgrade(env: lmdb.Environment) -> None:
+    """Bring an older store to this format in place, in one transaction: the tables it
+    lacks are made (empty: every chunk it holds stays in ``blobs``)."""
+    with env.begin(write=True) as txn:
+        for name in S.DB_NAMES:
+            env.open_db(name.encode(), txn=txn, create=True)
+        txn.put(b"format", S.U32.pack(S.FORMAT_VERSION),
+                db=env.open_db(b"meta", txn=txn, create=False))
+    log.warning("upgraded the store to format version %d", S.FORMAT_VERSION)
 
 
 ORPHANED_WRITER = "committing the changes its mount sent before it died"   # lock's holder

@@ -23,6 +23,7 @@ from .errors import StoreError
 
 # What mountfs and LMDB open in a store directory, and what each must be.
 STORE_FILES = {"data.mdb": (stat.S_ISREG, "a regular file"),
+               "chunks.dat": (stat.S_ISREG, "a regular file"),
                "lock.mdb": (stat.S_ISREG, "a regular file"),
                "lock": (stat.S_ISREG, "a regular file"),
                "mountfs.log": (stat.S_ISREG, "a regular file"),

@@ -152,9 +152,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, owner: ChunkServer, digests: list[bytes]) -> None:
         """Stream the frames from one read transaction (one chunk in memory at a time)."""
+        from mountfs import chunkfile
         with owner.store.read() as txn:
-            blobs = owner.store.db["blobs"]
-            data = [txn.get(d, db=blobs) for d in digests]
+            data = [chunkfile.get(txn, owner.store.db, d) for d in digests]
             if any(d is None for d in data):
                 return self._refuse(410, "a chunk of this job left the source store")
             self.send_response(200)

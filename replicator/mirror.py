@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import blake3
 
-from mountfs import buckets, gc, invariants
+from mountfs import buckets, chunkfile, gc, invariants
 from mountfs import schema as S
 from mountfs import snapshots as snaps
 from mountfs.namespace import FsError, Live, View, add_written, check_name
@@ -456,7 +456,7 @@ def _drop_staged(txn, dbs) -> None:
     # copied first: the keys are views into pages that the deletes below rewrite
     for digest in [bytes(k) for k in cur.iternext(values=False)]:
         if txn.get(digest, db=dbs["refs"]) is None:
-            txn.delete(digest, db=dbs["blobs"])
+            chunkfile.delete(txn, dbs, digest)
         txn.delete(digest, db=dbs["staged"])
     txn.delete(b"staged_bytes", db=dbs["meta"])
 
@@ -772,7 +772,7 @@ def _set_chunk(live: Live, x: int, index: int, value) -> None:
 def _adopt(live: Live, digest: bytes, length: int) -> None:
     """Reference a chunk the mirror holds, committed or staged for this cycle."""
     txn, dbs = live.txn, live.db
-    data = txn.get(digest, db=dbs["blobs"])
+    data = chunkfile.get(txn, dbs, digest)
     if data is None:
         raise MirrorError(f"commit refers to chunk {digest.hex()[:16]} that the mirror "
                           f"lacks; send the chunks first")
@@ -846,7 +846,7 @@ def scrub(store: Store) -> dict[str, list[bytes]]:
     with store.read() as txn:
         for digest in txn.cursor(db=store.db["refs"]).iternext(values=False):
             digest = bytes(digest)
-            data = txn.get(digest, db=store.db["blobs"])
+            data = chunkfile.get(txn, store.db, digest)
             if data is None:
                 missing.append(digest)
             elif blake3.blake3(data).digest() != digest:
@@ -864,7 +864,7 @@ def replace_chunks(txn, dbs, chunks) -> int:
         if txn.get(bytes(digest), db=dbs["refs"]) is None:
             raise MirrorError(f"repair chunk {bytes(digest).hex()[:16]} is not one the "
                               f"mirror references")
-        txn.put(bytes(digest), data, db=dbs["blobs"])
+        chunkfile.replace(txn, dbs, bytes(digest), data)
     return len(chunks)
 
 
@@ -930,7 +930,7 @@ def read_chunks(store: Store, digests: list[bytes]) -> list[tuple[bytes, bytes]]
     out = []
     with store.read() as txn:
         for digest in digests:
-            data = txn.get(bytes(digest), db=store.db["blobs"])
+            data = chunkfile.get(txn, store.db, bytes(digest))
             if data is None or txn.get(bytes(digest), db=store.db["refs"]) is None:
                 raise MirrorError(f"the mirror has no chunk {bytes(digest).hex()[:16]}")
             data = store.copy(data)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import blake3
 
+from mountfs import chunkfile
 from mountfs import schema as S
 from mountfs import snapshots as snaps
 from mountfs.interrupts import SIGNALS, Interrupted, signals_raise
@@ -460,7 +461,7 @@ def _chunk_data(mirror, local: Store, leaves, result: RestoreResult, where: str)
     found = {}
     with local.read() as txn:
         for digest in want:
-            data = txn.get(digest, db=local.db["blobs"])
+            data = chunkfile.get(txn, local.db, digest)
             if data is not None and _good(digest, want[digest], bytes(data)):
                 found[digest] = bytes(data)
                 result.bytes_local += len(data)

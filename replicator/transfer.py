@@ -285,7 +285,8 @@ def send_inline(store, stage, chunk_batches: list, progress=None) -> Sent:
 
 def _blob(txn, store, hexdigest: str) -> bytes:
     from mountfs.store import StoreError
-    data = txn.get(bytes.fromhex(hexdigest), db=store.db["blobs"])
+    from mountfs import chunkfile
+    data = chunkfile.get(txn, store.db, bytes.fromhex(hexdigest))
     if data is None:
         raise StoreError(f"source chunk {hexdigest[:16]} is missing (was the snapshot "
                          f"deleted?)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mountfs import buckets, snapshots as snaps
+from mountfs import buckets, chunkfile, snapshots as snaps
 from mountfs import schema as S
 from mountfs.namespace import View
 from mountfs.store import Store
@@ -158,7 +158,7 @@ def _repair(source: Store, mirror, snap: S.Snapshot, result: VerifyResult) -> No
     cs = _repair_changeset(source, snap, live_diffs)
     with source.read() as txn:
         wanted = set(bad) | (set(cs.digests()) & set(mirror.missing(list(cs.digests()))))
-        chunks = [(d, bytes(txn.get(d, db=source.db["blobs"]))) for d in sorted(wanted)]
+        chunks = [(d, bytes(chunkfile.get(txn, source.db, d))) for d in sorted(wanted)]
     if bad:
         mirror.replace_chunks([c for c in chunks if c[0] in set(bad)])
     if live_diffs:
