@@ -1,10 +1,14 @@
-"""Power loss (a system crash, not a process crash): the store's data file lives on a
-recording filesystem (tests/recordfs.py) that logs every write and every fsync reaching it
-while a real mount runs a workload with fsyncs and snapshots. The data file is then rebuilt as
-a power loss could leave it at many cut points: everything written up to the last completed
-sync, plus a subset of the writes after it (all of them, a prefix, random subsets; fixed
-seed). Each rebuilt store must open, pass fsck, and hold every fsync'ed file and every
-snapshot whose ``snapctl create`` had returned by that cut."""
+"""Power loss (a system crash, not a process crash): the store's two files of data, LMDB's
+``data.mdb`` and the chunk file ``chunks.dat`` (mountfs/chunkfile.py), live on a recording
+filesystem (tests/recordfs.py) that logs every write and every fsync reaching it while a real
+mount runs a workload with fsyncs and snapshots, and with files of several full chunks written,
+overwritten and deleted so that slots of the chunk file are freed and reused. Both files are
+then rebuilt as a power loss could leave them at many cut points: each file holds everything
+written to it up to its own last completed sync before the cut, plus a subset of its writes
+after that sync (all of them, a prefix, random subsets, the subset of each file drawn
+independently; fixed seed). Each rebuilt store must open, pass fsck (which checks that every
+slot named holds its chunk), and hold every fsync'ed file and every snapshot whose
+``snapctl create`` had returned by that cut."""
 
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from pathlib import Path
 import pytest
 from conftest import cli
 
-from mountfs import fsck, snapshots
+from mountfs import chunkfile, fsck, snapshots
+from mountfs import schema as S
 from mountfs.namespace import View
 from mountfs.store import Store
 
@@ -29,6 +34,8 @@ from recordfs import HEADER  # noqa: E402
 pytestmark = pytest.mark.fuse
 CUTS = 40
 SEED = 12
+MIB = 1 << 20
+DATA_FILES = ("data.mdb", "chunks.dat")
 
 
 def read_log(path: Path) -> list[tuple[str, int, int, bytes]]:
@@ -48,7 +55,7 @@ def log_position(path: Path) -> int:
 
 
 def rebuild(records, ino: int, cut: int, keep) -> bytes:
-    """The data file as a disk could hold it after a power loss at record ``cut``: every
+    """The file ``ino`` as a disk could hold it after a power loss at record ``cut``: every
     write up to the last sync before ``cut``, then the writes after it that ``keep`` picks
     (a predicate on their index among those writes)."""
     synced = max([i for i in range(cut) if records[i][0] == "S" and records[i][1] == ino],
@@ -145,21 +152,29 @@ def recorded(tmp_path):
 
 
 def workload(m, log: Path):
-    """Writes, overwrites, deletes and renames (so LMDB frees and reuses pages), with
-    fsyncs and snapshots. Returns [(log position when promised, kind, name, content)]."""
+    """Writes, overwrites, deletes and renames (so LMDB frees and reuses pages), files of
+    one to three full chunks (1 MiB, the default chunk size) written whole, overwritten and
+    deleted (so slots of the chunk file are freed, and reused), with fsyncs and snapshots
+    (a deleted one frees the slots only it still held). Returns [(log position when
+    promised, kind, name, content)]."""
     rnd = random.Random(SEED)
     promises = []
     for round_ in range(6):
-        for i in range(30):
+        for i in range(20):
             p = m.mnt / f"f{i % 12}"
             p.write_bytes(rnd.randbytes(rnd.choice([100, 5000, 70000, 300000])))
+        for i in range(4):
+            p = m.mnt / f"big{rnd.randrange(5)}"
+            p.write_bytes(rnd.randbytes(rnd.randint(1, 3) * MIB + rnd.choice([0, 0, 50000])))
         for i in range(0, 12, 3):
             os.rename(m.mnt / f"f{i}", m.mnt / f"g{round_}-{i}")
         for name in os.listdir(m.mnt):
             if name.startswith("g") and rnd.random() < 0.5:
                 os.unlink(m.mnt / name)
+            elif name.startswith("big") and rnd.random() < 0.25:
+                os.unlink(m.mnt / name)
         name = f"durable{round_}"
-        content = rnd.randbytes(200000 + round_)
+        content = rnd.randbytes((round_ % 3) * MIB + 200000 + round_)
         with open(m.mnt / name, "wb") as f:
             f.write(content)
             f.flush()
@@ -177,19 +192,49 @@ def workload(m, log: Path):
 
 @pytest.fixture
 def recorded_store(recorded, tmp_path):
-    """A store whose data file is the recording filesystem's (bind-mounted over a file of
-    the store: a store's paths are never links, mountfs.strictmodes), its other files
-    beside it; and the log position from which it exists. Unmounted after the mount's own
-    teardown (its fsck) and before the recording filesystem's."""
+    """A store whose data file and chunk file are the recording filesystem's (each
+    bind-mounted over a file of the store: a store's paths are never links,
+    mountfs.strictmodes), its other files beside them; and the log position from which it
+    exists. Unmounted after the mount's own teardown (its fsck) and before the recording
+    filesystem's."""
     rec, log = recorded
     cli("mountfs", "mkfs", rec)
+    (rec / "chunks.dat").touch(mode=0o600)  # mkfs makes none (a first writer does): bind it
     made = log_position(log)
     store = tmp_path / "store"
     store.mkdir(mode=0o700)
-    (store / "data.mdb").touch(mode=0o600)
-    subprocess.run(["mount", "--bind", rec / "data.mdb", store / "data.mdb"], check=True)
+    for name in DATA_FILES:
+        (store / name).touch(mode=0o600)
+        subprocess.run(["mount", "--bind", rec / name, store / name], check=True)
     yield store, made
-    subprocess.run(["umount", store / "data.mdb"], check=True)
+    for name in DATA_FILES:
+        subprocess.run(["umount", store / name], check=True)
+
+
+def assert_slots_reused(store: Path, records, ino: int) -> None:
+    """The workload wrote more full chunks into the chunk file than it has slots: freed
+    slots were written again. Counted from the log: each chunk's pwrite of its slot reaches
+    the recording filesystem once (in pieces; it runs without a writeback cache)."""
+    st = Store.open(store, readonly=True, lock=False)
+    try:
+        with st.read() as txn:
+            raw = txn.get(chunkfile.NEXT_SLOT, db=st.db["meta"])
+            next_slot = S.from_u64(raw) if raw is not None else 0
+            free = txn.stat(st.db["freeslots"])["entries"]
+        size = st.chunk_size
+    finally:
+        st.close()
+    written = [0] * next_slot
+    for kind, i, off, payload in records:
+        if kind == "W" and i == ino:
+            assert (off + len(payload) - 1) // size < next_slot, "a write beyond next_slot"
+            written[off // size] += len(payload)
+    chunks = sum(written) // size
+    rewritten = sum(1 for n in written if n > size)
+    print(f"chunk file: {chunks} full chunks written into {next_slot} slots "
+          f"({rewritten} slots written more than once, {free} free at the end)")
+    assert rewritten >= 3 and chunks > next_slot, \
+        f"the workload reused too few slots ({rewritten}; {chunks} chunks, {next_slot} slots)"
 
 
 def test_power_loss_at_any_cut_keeps_the_store_whole(recorded, recorded_store, make_mount,
@@ -200,7 +245,9 @@ def test_power_loss_at_any_cut_keeps_the_store_whole(recorded, recorded_store, m
     promises = workload(m, log)
     m.umount()
     records = read_log(log)
-    ino = next(i for kind, i, _, name in records if kind == "N" and name == b"data.mdb")
+    inos = {name: next(i for kind, i, _, n in records if kind == "N" and n == name.encode())
+            for name in DATA_FILES}
+    assert_slots_reused(store, records, inos["chunks.dat"])
 
     rnd = random.Random(SEED)
     cuts = sorted(rnd.sample(range(made, len(records) + 1), min(CUTS, len(records) - made)))
@@ -214,17 +261,18 @@ def test_power_loss_at_any_cut_keeps_the_store_whole(recorded, recorded_store, m
     checked = 0
     for cut in cuts:
         for variant in variants:
-            if variant == "all":
-                keep = variants["all"]
-            elif variant == "prefix":
-                stop = rnd.random()
-                keep = (lambda s: lambda n, total: n < int(total * s))(stop)
-            else:
-                chosen = random.Random(rnd.random())
-                keep = lambda n, total, c=chosen: c.random() < 0.5
             shutil.rmtree(trial, ignore_errors=True)
             trial.mkdir()
-            (trial / "data.mdb").write_bytes(rebuild(records, ino, cut, keep))
+            for name in DATA_FILES:         # each file's unsynced writes kept independently
+                if variant == "all":
+                    keep = variants["all"]
+                elif variant == "prefix":
+                    stop = rnd.random()
+                    keep = (lambda s: lambda n, total: n < int(total * s))(stop)
+                else:
+                    chosen = random.Random(rnd.random())
+                    keep = lambda n, total, c=chosen: c.random() < 0.5
+                (trial / name).write_bytes(rebuild(records, inos[name], cut, keep))
             files = {name: content for pos, kind, name, content in promises
                      if kind == "file" and pos <= cut}
             snaps = [name for pos, kind, name, _ in promises if kind == "snapshot" and pos <= cut]
