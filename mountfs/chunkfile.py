@@ -37,6 +37,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import threading
 from pathlib import Path
 
 from . import schema as S
@@ -77,11 +78,25 @@ class ChunkFile:
         self.dirty = False          # written since the last sync
         self._durable_below = 0     # every commit below this transaction id is durable
         self._readers = (None, 0)   # (transaction id, the oldest reader's then)
-        flags = (os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY) | os.O_CLOEXEC
-        try:
-            self.fd = open_private(self.path, flags)
-        except FileNotFoundError:   # read-only, and no full chunk was ever written
-            self.fd = None
+        self._opening = threading.Lock()
+        self.fd = None
+        if writable:
+            self.fd = open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+            if os.fstat(self.fd).st_size == 0:
+                _sync_directory(store)  # its name, durable before a commit names a slot
+        else:
+            self._open_to_read()
+
+    def _open_to_read(self) -> int | None:
+        """The file open for reading; None while it does not exist (a read-only opener
+        may come before the first full chunk's writer made it, and stay open after)."""
+        with self._opening:
+            if self.fd is None:
+                try:
+                    self.fd = open_private(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    pass
+            return self.fd
 
     def takes(self, data) -> bool:
         """Whether ``data`` goes into a slot."""
@@ -90,7 +105,7 @@ class ChunkFile:
     def read(self, slot: int, start: int = 0, length: int | None = None) -> bytes:
         """The slot's bytes from ``start`` (short, or empty, where the file ends: a digest
         check fails)."""
-        if self.fd is None:
+        if self.fd is None and self._open_to_read() is None:
             return b""
         if length is None:
             length = self.chunk_size - start
@@ -141,6 +156,15 @@ class ChunkFile:
         return min(max(me - 1, self._durable_below), self._readers[1] + 1)
 
 
+def _sync_directory(path: Path) -> None:
+    """fsync(2) a directory: a file created in it survives a power loss by its name."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _oldest_reader(env) -> int:
     """The oldest transaction id a reader of this environment reads (readers of processes
     that died are cleared first); a large number when none reads."""
@@ -189,7 +213,8 @@ def put(txn, dbs, digest: bytes, data) -> None:
     """Store a new chunk: in a slot if it is a full one and the disk has room for it
     there, else in ``blobs``."""
     chunkfile = dbs.chunkfile
-    if chunkfile is not None and chunkfile.takes(data):
+    if chunkfile is not None and chunkfile.takes(data) \
+            and txn.get(digest, db=dbs["blobs"]) is None:   # not staged there by a mirror
         slot = _reuse(txn, dbs, chunkfile)
         if slot is None:
             slot = _append(txn, dbs)

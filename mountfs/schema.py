@@ -79,6 +79,9 @@ from typing import NamedTuple
 
 FORMAT_VERSION = 3
 UPGRADABLE = (2,)           # older versions a writable open brings to this one in place
+# Mirrors keeping these formats take this one's replication (what changed between them is
+# where a store keeps full chunks, not what goes over the wire).
+MIRROR_FORMATS = (FORMAT_VERSION, *UPGRADABLE)
 MAX_EPOCH = 2**64 - 1
 ROOT_INO = 1
 # Store inode numbers are below 2**40: far below the mount's virtual range (2**62 and up,

@@ -1,9 +1,9 @@
 """The LMDB environment of a store: creating, opening, locking, transactions, and the
 primitive operations on versioned records (see schema.py for the layout).
 
-A store is a directory holding ``data.mdb`` (LMDB), ``lock`` (an flock held by the one
-process that may write: a mount, or snapctl/fsck working offline) and, while mounted,
-``control.sock``.
+A store is a directory holding ``data.mdb`` (LMDB), ``chunks.dat`` (full chunks, in slots
+LMDB names: chunkfile.py), ``lock`` (an flock held by the one process that may write: a
+mount, or snapctl/fsck working offline) and, while mounted, ``control.sock``.
 
 Durability: LMDB runs with ``sync=True, metasync=False``: a commit writes its data pages,
 fdatasyncs them, then writes the meta page without a sync. Data pages therefore reach the disk
@@ -12,7 +12,8 @@ they were freed, so a power loss leaves the store whole: at worst the newest com
 (its meta page lost). ``sync()`` syncs that meta page too; it runs on fsync(), after a
 snapshot, on unmount, and every second by the mount's syncer. A commit costs an fdatasync, so
 the mount groups many operations into one commit, in a worker thread (engine.py). A killed
-process loses nothing that was committed. tests/test_powerloss.py checks all of this.
+process loses nothing that was committed. A commit that names slots of the chunk file syncs
+that file first (``commit``, ``write``). tests/test_powerloss.py checks all of this.
 """
 
 from __future__ import annotations
@@ -340,10 +341,11 @@ class Store:
         return S.from_u64(txn.get(b"live_epoch", db=self.db["meta"]))
 
     def disk_usage(self) -> tuple[int, int, int]:
-        """(store bytes used, bytes free, disk bytes total) for statfs. Free is the disk's
-        free space plus the pages inside the data file that LMDB holds free for reuse (the
-        file never shrinks: space given back by a deleted snapshot lands there) and the
-        file's preallocated tail."""
+        """(store bytes used, bytes free, disk bytes total) for statfs. Used counts the
+        chunk file's slots in use too. Free is the disk's free space plus the pages inside
+        the data file that LMDB holds free for reuse (the file never shrinks: space given
+        back by a deleted snapshot lands there), the file's preallocated tail, and the chunk
+        file's free slots (which never shrinks either)."""
         st = os.statvfs(self.path)
         psize = self.psize
         with self.env.begin() as txn:

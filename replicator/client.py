@@ -164,7 +164,7 @@ def checked_info(url: str, info) -> dict:
     """The mirror's ``/v1/info`` with every key the source reads, of the type it reads."""
     problem = _fields(info, _INFO, "")
     if problem is None:
-        if info["format"] != S.FORMAT_VERSION:
+        if info["format"] not in S.MIRROR_FORMATS:
             raise MirrorError(f"the mirror at {url} keeps store format {info['format']}, "
                               f"this source's is {S.FORMAT_VERSION}")
         if not 0 < info["chunk_size"] or not 0 < info["buckets"]:

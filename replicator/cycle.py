@@ -249,7 +249,7 @@ def changed_since(name: str) -> MirrorError:
 
 
 def _check_compatible(source: Store, info: dict) -> None:
-    if info["format"] != S.FORMAT_VERSION:
+    if info["format"] not in S.MIRROR_FORMATS:
         raise MirrorError(f"the mirror's store format is {info['format']}, this source's is "
                           f"{S.FORMAT_VERSION}")
     if info["chunk_size"] != source.chunk_size:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import blake3
 
+from mountfs import chunkfile
 from mountfs import schema as S
 from mountfs import snapshots as snaps
 from mountfs.namespace import Live
@@ -45,7 +46,7 @@ def send(src: Store, dst: Store, base: S.Snapshot | None, snap: S.Snapshot) -> f
     """Build the changeset base -> snap, stage its chunks, time the commit alone."""
     with src.read() as txn:
         cs = changeset.build(txn, src.db, CHUNK, base.epoch if base else None, snap.epoch)
-        blobs = [(d, bytes(txn.get(d, db=src.db["blobs"]))) for d in cs.digests()]
+        blobs = [(d, bytes(chunkfile.get(txn, src.db, d))) for d in cs.digests()]
     with dst.write() as txn:
         mirror.stage(txn, dst.db, blobs)
     t = time.perf_counter()

@@ -851,13 +851,16 @@ def bench_small3(work: Workdir, count: int, size: int, repeat: int, res: Results
 
 
 def store_ingest(root: Path, size: int, block: int) -> dict:
-    """MB/s of the store's LMDB alone taking ``size`` bytes as ``block``-sized values: a
-    store made by ``mkfs`` and opened as the mount's writer opens it (each commit synced,
-    the meta page not), a commit every ``committer.TXN_BYTES`` as the writer's committer
-    makes at most, its data file prepared ahead by the writer's preallocator. Every byte
-    the mount keeps crosses this path, one writer at a time, and here nothing stands in
-    front of it (no FUSE, no hashing, no chunk map, no other process): the bound of the
-    mount's sequential write. The data is write_file's (unique per 4 KiB)."""
+    """MB/s of the store alone taking ``size`` bytes as ``block``-sized chunks, stored as the
+    writer stores a new chunk (``chunkfile.put``: a full chunk into a slot of the chunk file,
+    its number into LMDB; any other into LMDB): a store made by ``mkfs`` and opened as the
+    mount's writer opens it (each commit synced, the chunk file first, LMDB's meta page
+    not), a commit every ``committer.TXN_BYTES`` as the writer's committer makes at most,
+    its data file prepared ahead by the writer's preallocator. Every byte the mount keeps
+    crosses this path, one writer at a time, and here nothing stands in front of it (no
+    FUSE, no hashing, no chunk map, no other process): the bound of the mount's sequential
+    write. The data is write_file's (unique per 4 KiB)."""
+    from mountfs import chunkfile
     from mountfs.committer import TXN_BYTES
     from mountfs.prealloc import Preallocator
     from mountfs.store import Store
@@ -868,13 +871,12 @@ def store_ingest(root: Path, size: int, block: int) -> dict:
     prealloc.start()
     try:
         buf = bytearray(os.urandom(block))
-        blobs = store.db["blobs"]
         t0 = time.perf_counter()
         txn, pending = store.env.begin(write=True), 0
         for n in range(size // block):
             for off in range(0, block, 4096):
                 struct.pack_into("<Q", buf, off, (n * block + off) // 4096)
-            txn.put(n.to_bytes(32, "big"), buf, db=blobs)
+            chunkfile.put(txn, store.db, n.to_bytes(32, "big"), buf)
             pending += block
             if pending >= TXN_BYTES:
                 store.commit(txn)
@@ -904,7 +906,7 @@ def bench_ingest(work: Workdir, size: int, block: int, repeat: int, figures: dic
     bound = statistics.median(runs)
     plain, mnt = figures["plain"]["write_mbs"], figures["mount"]["write_mbs"]
     res.add("store_ingest", {"write_mbs": bound, "runs": runs})
-    print(f"the store's write path alone (LMDB in the mount's mode, {block // 1024} KiB values, "
+    print(f"the store's write path alone (as the mount's writer stores {block // 1024} KiB chunks, "
           f"no FUSE): {bound:,.0f} MB/s, median of {len(runs)} "
           f"({', '.join(f'{r:,.0f}' for r in runs)}): {bound / plain:.0%} of the plain "
           f"directory; the mount writes at {mnt / bound:.0%} of it\n")

@@ -117,24 +117,28 @@ def test_a_floor_that_keeps_nothing_is_refused_where_data_is_read_back(tmp_path,
 
 def test_the_stores_own_ingest_commits_every_value_and_leaves_nothing(tmp_path, monkeypatch):
     """``store_ingest``, the bound printed under the sequential figure, writes into a real
-    store opened as the writer opens it: every value is committed (read back here before
-    the store goes, through a wrapped ``Store.close``), and nothing is left behind."""
+    store opened as the writer opens it, full chunks into the chunk file as the writer
+    stores them: every value is committed (read back here before the store goes, through
+    a wrapped ``Store.close``), and nothing is left behind."""
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_io
+    from mountfs import chunkfile
     from mountfs.store import Store
     seen = {}
     close = Store.close
 
     def counting_close(store):
         with store.read() as txn:
-            values = [bytes(v) for _, v in txn.cursor(db=store.db["blobs"])]
-        seen["values"] = values
+            keys = [bytes(k) for table in ("blobs", "slots")
+                    for k in txn.cursor(db=store.db[table]).iternext(values=False)]
+            seen["values"] = [bytes(chunkfile.get(txn, store.db, k)) for k in keys]
+            seen["in_slots"] = txn.stat(store.db["slots"])["entries"]
         close(store)
 
     monkeypatch.setattr(Store, "close", counting_close)
-    figure = bench_io.store_ingest(tmp_path, 5 << 16, 1 << 16)
+    figure = bench_io.store_ingest(tmp_path, 5 << 20, 1 << 20)
     assert figure["write_mbs"] > 0
-    assert len(seen["values"]) == 5
-    assert all(len(v) == 1 << 16 for v in seen["values"])
+    assert len(seen["values"]) == 5 and seen["in_slots"] == 5
+    assert all(len(v) == 1 << 20 for v in seen["values"])
     assert len({v for v in seen["values"]}) == 5        # unique, as write_file's data
     assert list(tmp_path.iterdir()) == []

@@ -222,12 +222,6 @@ def test_a_snapshot_keeps_its_slots_until_it_is_deleted(make_mount):
     assert state.next_slot == 7 and state.free == []
 
 
-@pytest.mark.xfail(strict=True, raises=OSError, reason=(
-    "product bug: ChunkFile opens chunks.dat once, when the store is opened; a read-only "
-    "opener that came before the file existed (a store made by mkfs and not yet mounted "
-    "writable) keeps fd None and reads every slot as b'', so full chunks a writer beside it "
-    "commits later are EIO 'corrupt or missing' (README: read-only mounts may be mounted "
-    "before or after the writer)"))
 def test_a_read_only_mount_made_before_the_chunk_file_reads_full_chunks(make_mount, tmp_path):
     """README: read-only mounts sit beside the writer, "mounted before or after it". Here
     the read-only mount comes first, on a store made by mkfs (no chunks.dat yet); the writer

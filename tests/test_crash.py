@@ -26,7 +26,7 @@ import lmdb
 import pytest
 from conftest import fsck_clean
 
-from mountfs import control
+from mountfs import chunkfile, control
 from mountfs import schema as S
 from mountfs.namespace import FsError, View
 
@@ -55,9 +55,10 @@ def chunk_digests(data: bytes, chunk_size: int) -> set[bytes]:
 
 
 def stored_blobs(store: Path, digests: set[bytes]) -> set[bytes]:
-    """Which of ``digests`` still have their data in the store."""
+    """Which of ``digests`` still have their data in the store (in LMDB or a slot of the
+    chunk file)."""
     with raw_store(store) as (txn, db):
-        return {d for d in digests if txn.get(d, db=db["blobs"]) is not None}
+        return {d for d in digests if chunkfile.has(txn, db, d)}
 
 
 def wait_until_reclaimed(store: Path, digests: set[bytes], limit: float = 60.0) -> None:

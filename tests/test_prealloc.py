@@ -129,9 +129,10 @@ def test_a_disk_filling_up_stops_the_preparing_and_loses_nothing(disk_of_400m, m
         os.fsync(h.fileno())
     end, size = _prepared(store, cached=False)          # tmpfs: no page cache of its own
     assert size - end >= STEP, "nothing was prepared while the disk had room"
-    with open(m.mnt / "most", "wb") as h:               # 248 of 400 MiB: below the margin
-        for _ in range(240):
-            h.write(os.urandom(1 << 20))
+    for n in range(240):        # 248 of 400 MiB: below the margin. In LMDB, through its
+        with open(m.mnt / f"most{n}", "wb") as h:  # tail and past it: chunks under the
+            h.write(os.urandom(1_000_000))         # chunk size (full ones go to chunks.dat)
+    with open(m.mnt / "most0", "rb+") as h:
         os.fsync(h.fileno())
     end, size = _tail(store)
     assert os.statvfs(store).f_bavail * os.statvfs(store).f_frsize < DEFER_MARGIN

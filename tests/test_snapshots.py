@@ -453,7 +453,8 @@ def test_deleting_a_snapshot_gives_its_space_back(fs, here):
     os.unlink(here / "big")
     wait_gc_idle(fs)                                             # the live file is purged
     held = store_used(fs)
-    assert held - used0 >= 20 << 20                              # the snapshot holds the data
+    assert held - used0 >= 19 << 20     # the snapshot holds the data (the metadata's pages
+                                        # may take a few fewer: LMDB reuses freed ones)
     fs.snapctl("delete", "space")
     deadline = time.monotonic() + 60
     while store_used(fs) > held - (19 << 20):
