@@ -41,7 +41,7 @@ import threading
 from pathlib import Path
 
 from . import schema as S
-from .errors import StoreError
+from .errors import StoreError, StoreFull
 from .strictmodes import open_private
 
 NAME = "chunks.dat"
@@ -130,11 +130,15 @@ class ChunkFile:
         return True
 
     def sync(self) -> None:
-        """Make every slot written so far durable: before the commit that names them."""
+        """Make every slot written so far durable: before the commit that names them. A
+        disk found full only now (some filesystems allocate at writeback) is StoreFull, as
+        LMDB's own full disk: the commit is not made, and the committer makes room."""
         if self.dirty:
             try:
                 os.fdatasync(self.fd)
             except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StoreFull(f"no space left on the store's disk ({self.path})") from e
                 raise StoreError(f"{self.path}: cannot sync the chunk file: {e}") from e
             self.dirty = False
 
@@ -192,15 +196,24 @@ def get(txn, dbs, digest: bytes):
 
 def get_range(txn, dbs, digest: bytes, start: int, length: int):
     """Bytes ``[start, start + length)`` of a chunk (fewer where it ends), or None if the
-    store holds no such chunk: a read of part of a full chunk reads only that part."""
+    store holds no such chunk, or a slot the chunk file cuts short (corrupt: never
+    padded); a read of part of a full chunk reads only that part."""
     data = txn.get(digest, db=dbs["blobs"])
     if data is not None:
         return data[start:start + length]
     slot = txn.get(digest, db=dbs["slots"])
     if slot is None:
         return None
-    chunkfile = dbs.chunkfile
-    return chunkfile.read(S.from_u64(slot), start, length) if chunkfile is not None else b""
+    data = dbs.chunkfile.read(S.from_u64(slot), start, length)
+    return data if len(data) == min(length, dbs.chunkfile.chunk_size - start) else None
+
+
+def length(txn, dbs, digest: bytes) -> int | None:
+    """A chunk's length without reading it (None: the store holds no such chunk)."""
+    data = txn.get(digest, db=dbs["blobs"])
+    if data is not None:
+        return len(data)
+    return dbs.chunkfile.chunk_size if txn.get(digest, db=dbs["slots"]) is not None else None
 
 
 def has(txn, dbs, digest: bytes) -> bool:
@@ -212,7 +225,7 @@ def has(txn, dbs, digest: bytes) -> bool:
 def put(txn, dbs, digest: bytes, data) -> None:
     """Store a new chunk: in a slot if it is a full one and the disk has room for it
     there, else in ``blobs``."""
-    chunkfile = dbs.chunkfile
+    chunkfile = getattr(dbs, "chunkfile", None)     # a plain dict: mkfs's, tests'
     if chunkfile is not None and chunkfile.takes(data) \
             and txn.get(digest, db=dbs["blobs"]) is None:   # not staged there by a mirror
         slot = _reuse(txn, dbs, chunkfile)

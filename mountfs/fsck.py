@@ -208,10 +208,20 @@ def _check_slots(txn, dbs, chunk_size: int, stored: dict, lengths, report: Repor
     end = S.from_u64(raw) if raw is not None else 0
     named = Counter()
     for key in txn.cursor(db=dbs["freeslots"]).iternext(values=False):
-        named[S.from_u64(bytes(key)[8:16])] += 1
+        key = bytes(key)
+        if len(key) != 16 or S.from_u64(key[:8]) > txn.id():
+            report.problems.append(f"chunk file: free-slot record {key.hex()} is malformed "
+                                   f"(or names a transaction still to come: never reused)")
+            continue
+        named[S.from_u64(key[8:16])] += 1
     chunks = 0
     for key, value in txn.cursor(db=dbs["slots"]):
-        digest, slot = bytes(key), S.from_u64(value)
+        digest, value = bytes(key), bytes(value)
+        if len(digest) != S.DIGEST_SIZE or len(value) != 8:
+            report.problems.append(f"chunk file: slot record {digest.hex()[:16]} -> "
+                                   f"{value.hex()} is malformed")
+            continue
+        slot = S.from_u64(value)
         chunks += 1
         named[slot] += 1
         where = f"chunk {digest.hex()[:16]} (slot {slot})"

@@ -36,7 +36,7 @@ import lmdb
 
 from . import buckets, chunkfile
 from . import schema as S
-from .errors import StoreError
+from .errors import StoreError, StoreFull
 from .strictmodes import check_new_store, check_store, open_regular
 
 if TYPE_CHECKING:
@@ -48,10 +48,6 @@ MAP_SIZE = 1 << 43          # address space only (8 TiB); the file grows with th
 DEFAULT_CHUNK_SIZE = 1 << 20
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 64 << 20
-
-
-class StoreFull(StoreError):
-    """The disk under the store is full (ENOSPC reaches the writer)."""
 
 
 FULL_DISK_MARGIN = 64 << 20     # below this much free space, a failed write means "full"
@@ -340,12 +336,13 @@ class Store:
     def live_epoch(self, txn) -> int:
         return S.from_u64(txn.get(b"live_epoch", db=self.db["meta"]))
 
-    def disk_usage(self) -> tuple[int, int, int]:
+    def disk_usage(self, free_slots: bool = True) -> tuple[int, int, int]:
         """(store bytes used, bytes free, disk bytes total) for statfs. Used counts the
         chunk file's slots in use too. Free is the disk's free space plus the pages inside
         the data file that LMDB holds free for reuse (the file never shrinks: space given
-        back by a deleted snapshot lands there), the file's preallocated tail, and the chunk
-        file's free slots (which never shrinks either)."""
+        back by a deleted snapshot lands there), the file's preallocated tail, and, unless
+        ``free_slots`` is False, the chunk file's free slots (it never shrinks either; only
+        full chunks written by a mount take them: a mirror's staging does not)."""
         st = os.statvfs(self.path)
         psize = self.psize
         with self.env.begin() as txn:
@@ -353,7 +350,8 @@ class Store:
                 _pages(self.env.stat())
             slots_used, slots_free = chunkfile.usage(txn, self.db, self.chunk_size)
         file_pages = self.env.info()["last_pgno"] + 1
-        free_inside = max(0, file_pages - in_use) * psize + self._tail() + slots_free
+        free_inside = max(0, file_pages - in_use) * psize + self._tail() + \
+            (slots_free if free_slots else 0)
         return in_use * psize + slots_used, st.f_bavail * st.f_frsize + free_inside, \
             st.f_blocks * st.f_frsize
 

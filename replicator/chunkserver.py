@@ -151,19 +151,21 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(owner, digests)
 
     def _send(self, owner: ChunkServer, digests: list[bytes]) -> None:
-        """Stream the frames from one read transaction (one chunk in memory at a time)."""
+        """Stream the frames from one read transaction (one chunk in memory at a time: a
+        request may name 65,536 of them)."""
         from mountfs import chunkfile
-        with owner.store.read() as txn:
-            data = [chunkfile.get(txn, owner.store.db, d) for d in digests]
-            if any(d is None for d in data):
+        store = owner.store
+        with store.read() as txn:
+            lengths = [chunkfile.length(txn, store.db, d) for d in digests]
+            if any(n is None for n in lengths):
                 return self._refuse(410, "a chunk of this job left the source store")
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(sum(FRAME.size + len(b) for b in data)))
+            self.send_header("Content-Length", str(sum(FRAME.size + n for n in lengths)))
             self.end_headers()
-            for digest, blob in zip(digests, data):
-                self.wfile.write(FRAME.pack(digest, len(blob)))
-                self.wfile.write(owner.store.copy(blob))
+            for digest, n in zip(digests, lengths):
+                self.wfile.write(FRAME.pack(digest, n))
+                self.wfile.write(store.copy(chunkfile.get(txn, store.db, digest)))
 
     def _refuse(self, status: int, message: str) -> None:
         body = message.encode()

@@ -772,12 +772,12 @@ def _set_chunk(live: Live, x: int, index: int, value) -> None:
 def _adopt(live: Live, digest: bytes, length: int) -> None:
     """Reference a chunk the mirror holds, committed or staged for this cycle."""
     txn, dbs = live.txn, live.db
-    data = chunkfile.get(txn, dbs, digest)
-    if data is None:
+    stored = chunkfile.length(txn, dbs, digest)
+    if stored is None:
         raise MirrorError(f"commit refers to chunk {digest.hex()[:16]} that the mirror "
                           f"lacks; send the chunks first")
-    if len(data) != length:
-        raise MirrorError(f"chunk {digest.hex()[:16]} is {len(data)} bytes on the mirror, "
+    if stored != length:
+        raise MirrorError(f"chunk {digest.hex()[:16]} is {stored} bytes on the mirror, "
                           f"the commit says {length}")
     raw = txn.get(digest, db=dbs["refs"])
     txn.put(digest, S.u64(S.from_u64(raw) + 1 if raw else 1), db=dbs["refs"])

@@ -228,7 +228,7 @@ class Receiver:
 
     async def chunks(self, request: Request):
         frames = await self.frames(request)
-        free = await trio.to_thread.run_sync(lambda: self.store.disk_usage()[1])
+        free = await trio.to_thread.run_sync(lambda: self.store.disk_usage(False)[1])
         stored, nbytes = await self.write(mirror.stage, frames, self.limits.staging, free)
         return JSONResponse({"stored": stored, "bytes": nbytes})
 
@@ -252,7 +252,7 @@ class Receiver:
         body = await self.body(request)
         raw = await trio.to_thread.run_sync(decompress, body,
                                             min(self.limits.max_body, mirror.MAX_PART_BYTES))
-        free = await trio.to_thread.run_sync(lambda: self.store.disk_usage()[1])
+        free = await trio.to_thread.run_sync(lambda: self.store.disk_usage(False)[1])
         await self.write(mirror.stage_part, self.store.chunk_size, transfer, index, raw,
                          self.limits.staging, free)
         return JSONResponse({"ok": True})

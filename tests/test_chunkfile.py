@@ -330,6 +330,49 @@ def test_a_chunk_file_cut_short_or_missing_is_reported(make_mount):
     assert all(any(d.hex()[:16] in p for p in found) for d in digests), found
 
 
+def test_a_chunk_file_cut_short_under_a_mount_is_eio_never_zeros(make_mount):
+    """A chunk read once is not checked again (its digest is remembered): if chunks.dat is
+    then cut short under the mount, the next read must still be EIO, never the missing
+    bytes made up as zeros (an LMDB value could not be short; a slot can)."""
+    m = make_mount()
+    data = write_synced(m.mnt / "f", os.urandom(2 * CS))
+    assert (m.mnt / "f").read_bytes() == data           # checked, and remembered
+    os.truncate(m.store / "chunks.dat", CS // 2)
+    drop_all_caches()
+    fd = os.open(m.mnt / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            os.pread(fd, 4096, CS // 2 + 4096)
+        assert info.value.errno == errno.EIO
+        assert os.pread(fd, 4096, 0) == data[:4096]     # what the file still holds
+    finally:
+        os.close(fd)
+    m.umount()
+    m.check_fsck = False
+
+
+def test_malformed_slot_records_are_reported_not_a_traceback(make_mount):
+    """fsck reads the slot tables as untrusted bytes: a slot number of the wrong width and a
+    free-slot record naming a transaction still to come are each one PROBLEM line."""
+    m = make_mount()
+    write_synced(m.mnt / "f", os.urandom(CS))
+    m.umount()
+    m.check_fsck = False
+    env = lmdb_env(m.store)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(b"\x01" * 32, b"\x00\x01", db=env.open_db(b"slots", txn=txn))
+            txn.put(S.u64(1 << 60) + S.u64(0), b"", db=env.open_db(b"freeslots", txn=txn))
+    finally:
+        env.close()
+    res = cli("mountfs", "fsck", "-q", m.store, check=False)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res
+    found = problems(res)
+    assert any("slot record 0101010101010101" in p and "malformed" in p for p in found), found
+    assert any("free-slot record" in p and "transaction still to come" in p
+               for p in found), found
+
+
 # ---- format 2 -----------------------------------------------------------------------------
 
 def make_format_2(store: Path) -> None:
