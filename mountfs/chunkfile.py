@@ -24,7 +24,8 @@ names. A slot freed by transaction T is written again only when
 
 * T is durable: a commit after T has fdatasync'ed the data file (LMDB runs with metasync
   off, so a power loss may undo the newest commit, which would name the slot again), i.e.
-  the writing transaction's id is at least T + 2; and
+  the writing transaction's id is at least T + 2 (or T + 1 after syncing LMDB, which
+  ``put`` does only when the disk has no room for a new slot); and
 * no reader can still see the slot's old chunk: every reader in LMDB's reader table read
   from T on (an older one may read the slot through the record T deleted).
 

@@ -373,6 +373,14 @@ def test_malformed_slot_records_are_reported_not_a_traceback(make_mount):
                for p in found), found
 
 
+def test_no_chunk_the_mount_checks_inline_is_in_a_slot():
+    """The mount checks chunks on its serving thread only if together they are at most
+    INLINE_HASH bytes and in memory (engine.verify), never reading the chunk file there:
+    every chunk in a slot must be longer than that."""
+    from mountfs.filecache import INLINE_HASH
+    assert chunkfile.LARGE >= INLINE_HASH
+
+
 # ---- format 2 -----------------------------------------------------------------------------
 
 def make_format_2(store: Path) -> None:
