@@ -393,6 +393,43 @@ def halt_polling(ns: int | None):
         yield
 
 
+SAME_CPU: list[bool] = []     # [True] with --same-cpu: every timed run co-located (below)
+
+
+def co_locate(pid: int | None) -> None:
+    """With --same-cpu: this process and every thread of filesystem process ``pid`` (None:
+    a plain directory) on CPU 0, that process's children (the writers) on the others. A
+    FUSE request then hands the CPU over between the caller and the filesystem's thread
+    instead of waking the other CPU; on this benchmark's VM a wake-up of a halted CPU is a
+    VM exit, and where the scheduler puts the two decides how many a run pays
+    (docs/benchmarks.md, twentieth and thirty-seventh rounds). No filesystem can choose
+    this for its callers: it measures the floor and the mount without it."""
+    if not SAME_CPU:
+        return
+    others = set(range(os.cpu_count() or 1)) - {0} or {0}
+    os.sched_setaffinity(0, {0})
+    if pid is None:
+        return
+    children = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {0})
+        children.update(int(c) for c in (task / "children").read_text().split())
+    for child in children:
+        for task in Path(f"/proc/{child}/task").iterdir():
+            os.sched_setaffinity(int(task.name), others)
+
+
+def placed(measure, pid: int | None, *args) -> dict:
+    """``kept(measure, *args)``, co-located with filesystem process ``pid`` under
+    --same-cpu (``co_locate``); this process's own CPUs back after."""
+    cpus = os.sched_getaffinity(0)
+    try:
+        co_locate(pid)
+        return kept(measure, *args)
+    finally:
+        os.sched_setaffinity(0, cpus)
+
+
 class MountedStore:
     """A fresh store mounted in the work directory."""
 
@@ -645,7 +682,7 @@ def three_way(work: Workdir, label: str, measure, repeat: int = 1) -> dict:
         plain = work.path / f"plain-{label}"
         plain.mkdir()
         try:
-            runs["plain"].append(kept(measure, plain, None))
+            runs["plain"].append(placed(measure, None, plain, None))
         finally:
             shutil.rmtree(plain)
         for side in ("floor", "durable"):
@@ -653,12 +690,16 @@ def three_way(work: Workdir, label: str, measure, repeat: int = 1) -> dict:
                 continue
             floor = Floor(work, side, durable=side == "durable")
             try:
-                runs[side].append(kept(measure, floor.mnt, None))
+                runs[side].append(placed(measure, floor.proc.pid, floor.mnt, None))
             finally:
                 floor.close()
         m = MountedStore(work, label)
+
+        def remount():
+            m.remount()
+            co_locate(m.pid())
         try:
-            runs["mount"].append(kept(measure, m.mnt, m.remount))
+            runs["mount"].append(placed(measure, m.pid(), m.mnt, remount))
         finally:
             m.close()
     return {**{t: medians(r) for t, r in runs.items()}, "runs": runs}
@@ -976,6 +1017,12 @@ def parse_args(argv=None):
                    help="on a VM guest with the haltpoll idle driver, poll this long before "
                         "halting an idle CPU for the whole run (restored after): cheap "
                         "wake-ups, where each FUSE request wakes the filesystem's thread")
+    p.add_argument("--same-cpu", action="store_true",
+                   help="in every three-way figure's timed runs, put this process and the "
+                        "filesystem's process on CPU 0 and the filesystem's writer on the "
+                        "other CPUs: requests then cost no wake-up of the other CPU, which "
+                        "the scheduler's placement otherwise decides (a diagnostic: no "
+                        "filesystem chooses where its callers run)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -1013,11 +1060,16 @@ def main(argv=None) -> int:
         DISCARDING.append("--discard")
     if args.durable_floor:
         SIDES.insert(2, "durable")
+    if args.same_cpu:
+        if (os.cpu_count() or 1) < 2:
+            raise SystemExit("bench_io: --same-cpu needs at least two CPUs")
+        SAME_CPU.append(True)
     res = Results("bench_io", vars(args))
     with Workdir(args.workdir, "bench-io") as work, halt_polling(args.guest_halt_poll_ns):
         print(f"{machine_info(work.path)}; free page reporting "
               f"{'suspended in timed runs' if PAGE_REPORTING.exists() else 'absent'}; "
-              f"guest halt polling {_read(HALT_POLL_NS) or 'absent'} ns")
+              f"guest halt polling {_read(HALT_POLL_NS) or 'absent'} ns"
+              f"{'; timed runs on CPU 0 with the filesystem (--same-cpu)' if SAME_CPU else ''}")
         if "untar" in only:
             bench_untar(work, args.repeat, res)
         if "git" in only:

@@ -142,3 +142,49 @@ def test_the_stores_own_ingest_commits_every_value_and_leaves_nothing(tmp_path, 
     assert all(len(v) == 1 << 20 for v in seen["values"])
     assert len({v for v in seen["values"]}) == 5        # unique, as write_file's data
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--same-cpu needs two CPUs")
+def test_same_cpu_puts_the_caller_with_the_filesystem_and_its_writer_elsewhere(monkeypatch):
+    """--same-cpu: during a timed run the benchmark and every thread of the filesystem's
+    process are on CPU 0, the process's children (its writer) on the other CPUs; the
+    benchmark gets its own CPUs back after the run."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_io
+    monkeypatch.setattr(bench_io, "SAME_CPU", [True])
+    monkeypatch.setattr(bench_io, "kept", lambda measure, *args: measure(*args))
+    # a "filesystem": two threads, and a child process with a thread of its own
+    fs = subprocess.Popen([sys.executable, "-c", """
+import subprocess, sys, threading, time
+child = subprocess.Popen([sys.executable, "-c",
+    "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"])
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+print(child.pid, flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(fs.stdout.readline())
+        wait_for(lambda: len(list(Path(f"/proc/{child}/task").iterdir())) == 2, timeout=10)
+        others = set(range(os.cpu_count())) - {0}
+        mine = os.sched_getaffinity(0)
+        seen = {}
+
+        def measure():
+            seen["self"] = os.sched_getaffinity(0)
+            for pid in (fs.pid, child):
+                seen[pid] = [os.sched_getaffinity(int(t.name))
+                             for t in Path(f"/proc/{pid}/task").iterdir()]
+            return {}
+
+        bench_io.placed(measure, fs.pid)
+
+        assert seen["self"] == {0}
+        assert seen[fs.pid] == [{0}, {0}]
+        assert seen[child] == [others, others]
+        assert os.sched_getaffinity(0) == mine
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        fs.kill()
+        fs.wait()
