@@ -393,26 +393,27 @@ def halt_polling(ns: int | None):
         yield
 
 
-SAME_CPU: list[bool] = []     # [True] with --same-cpu: every timed run co-located (below)
+SAME_CPU: list[set[int]] = []     # with --same-cpu: the CPUs it may use (``co_locate``)
 
 
 def co_locate(pid: int | None) -> None:
     """With --same-cpu: this process and every thread of filesystem process ``pid`` (None:
-    a plain directory) on CPU 0, that process's children (the writers) on the others. A
-    FUSE request then hands the CPU over between the caller and the filesystem's thread
-    instead of waking the other CPU; on this benchmark's VM a wake-up of a halted CPU is a
-    VM exit, and where the scheduler puts the two decides how many a run pays
-    (docs/benchmarks.md, twentieth and thirty-seventh rounds). No filesystem can choose
-    this for its callers: it measures the floor and the mount without it."""
+    a plain directory) on the first CPU it may use, that process's children (the writers)
+    on the others. A FUSE request then hands the CPU over between the caller and the
+    filesystem's thread instead of waking the other CPU; on this benchmark's VM a wake-up
+    of a halted CPU is a VM exit, and where the scheduler puts the two decides how many a
+    run pays (docs/benchmarks.md, twentieth and thirty-seventh rounds). No filesystem can
+    choose this for its callers: it measures the floor and the mount without it."""
     if not SAME_CPU:
         return
-    others = set(range(os.cpu_count() or 1)) - {0} or {0}
-    os.sched_setaffinity(0, {0})
+    first = {min(SAME_CPU[0])}
+    others = SAME_CPU[0] - first
+    os.sched_setaffinity(0, first)
     if pid is None:
         return
     children = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
-        os.sched_setaffinity(int(task.name), {0})
+        os.sched_setaffinity(int(task.name), first)
         children.update(int(c) for c in (task / "children").read_text().split())
     for child in children:
         for task in Path(f"/proc/{child}/task").iterdir():
@@ -1019,7 +1020,7 @@ def parse_args(argv=None):
                         "wake-ups, where each FUSE request wakes the filesystem's thread")
     p.add_argument("--same-cpu", action="store_true",
                    help="in every three-way figure's timed runs, put this process and the "
-                        "filesystem's process on CPU 0 and the filesystem's writer on the "
+                        "filesystem's process on one CPU and the filesystem's writer on the "
                         "other CPUs: requests then cost no wake-up of the other CPU, which "
                         "the scheduler's placement otherwise decides (a diagnostic: no "
                         "filesystem chooses where its callers run)")
@@ -1061,15 +1062,20 @@ def main(argv=None) -> int:
     if args.durable_floor:
         SIDES.insert(2, "durable")
     if args.same_cpu:
-        if (os.cpu_count() or 1) < 2:
-            raise SystemExit("bench_io: --same-cpu needs at least two CPUs")
-        SAME_CPU.append(True)
+        cpus = os.sched_getaffinity(0)
+        if len(cpus) < 2:
+            raise SystemExit(f"bench_io: --same-cpu needs two CPUs to use, this process may "
+                             f"use {len(cpus)}; run it without --same-cpu (or outside "
+                             f"taskset / the cpuset that confines it)")
+        SAME_CPU.append(cpus)
     res = Results("bench_io", vars(args))
     with Workdir(args.workdir, "bench-io") as work, halt_polling(args.guest_halt_poll_ns):
+        placement = f"; timed runs on CPU {min(SAME_CPU[0])} with the filesystem " \
+            f"(--same-cpu)" if SAME_CPU else ""
         print(f"{machine_info(work.path)}; free page reporting "
               f"{'suspended in timed runs' if PAGE_REPORTING.exists() else 'absent'}; "
               f"guest halt polling {_read(HALT_POLL_NS) or 'absent'} ns"
-              f"{'; timed runs on CPU 0 with the filesystem (--same-cpu)' if SAME_CPU else ''}")
+              f"{placement}")
         if "untar" in only:
             bench_untar(work, args.repeat, res)
         if "git" in only:
