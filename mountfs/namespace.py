@@ -128,23 +128,25 @@ class View:
             return b""
         end = min(off + size, file_size)
         cs = self.chunk_size
-        out = bytearray()
+        pieces = []
         pos = off
         while pos < end:
             idx, within = divmod(pos, cs)
             take = min(cs - within, end - pos)
             c = self.chunk(ino, idx)
             if c is None:
-                out += bytes(take)
+                pieces.append(bytes(take))
             else:
                 piece = chunkfile.get_range(self.txn, self.db, c[0], within, take)
                 if piece is None:
                     raise FsError(errno.EIO, f"chunk {c[0].hex()} is missing from the store")
-                out += piece
+                pieces.append(piece)
                 if len(piece) < take:
-                    out += bytes(take - len(piece))
+                    pieces.append(bytes(take - len(piece)))
             pos += take
-        return bytes(out)
+        if len(pieces) == 1 and type(pieces[0]) is bytes:
+            return pieces[0]
+        return b"".join(pieces)
 
     # ---- xattrs ----------------------------------------------------------------------------
 
