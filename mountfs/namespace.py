@@ -145,8 +145,9 @@ class View:
                     pieces.append(bytes(take - len(piece)))
             pos += take
         if len(pieces) == 1 and type(pieces[0]) is bytes:
-            return pieces[0]
-        return b"".join(pieces)
+            return pieces[0]        # as read: a 1 MiB READ copied twice more cost 15% of a
+                                    # sequential read's serving thread (benchmarks.md)
+        return b"".join(pieces)     # also copies out what a buffers=True txn lent
 
     # ---- xattrs ----------------------------------------------------------------------------
 
