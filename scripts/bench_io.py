@@ -412,12 +412,22 @@ def co_locate(pid: int | None) -> None:
     if pid is None:
         return
     children = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        os.sched_setaffinity(int(task.name), first)
-        children.update(int(c) for c in (task / "children").read_text().split())
+    for task in _tasks(pid):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):   # ended meanwhile
+            os.sched_setaffinity(int(task.name), first)
+            children.update(int(c) for c in (task / "children").read_text().split())
     for child in children:
-        for task in Path(f"/proc/{child}/task").iterdir():
-            os.sched_setaffinity(int(task.name), others)
+        for task in _tasks(child):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(task.name), others)
+
+
+def _tasks(pid: int) -> list[Path]:
+    """The threads of process ``pid`` (none once it has exited)."""
+    try:
+        return list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return []
 
 
 def placed(measure, pid: int | None, *args) -> dict:
