@@ -738,8 +738,8 @@ def test_a_sequential_writer_is_held_back_and_its_buffers_reused(make_mount):
     from there to the chunk file, mountfs/chunkfile.py). Before, the mount held the whole
     file (960 MB of a 1 GiB write, measured) and sent it in 64 MiB steps, each a fresh
     mapping in the writer faulted in page by page (about 500 faults per MiB): on a VM each
-    fault of a fresh page costs the host's fault too, and sequential writes ran at half the speed (docs/benchmarks.md,
-    fourteenth round)."""
+    fault of a fresh page costs the host's fault too, and sequential writes ran at half the
+    speed (docs/benchmarks.md, fourteenth round)."""
     m = make_mount()
     writer = writer_pid(m.pid)
     block = os.urandom(1 << 20)
