@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -819,12 +820,27 @@ def synthetic_repo(work: Workdir, files: int) -> tuple[Path, str, str]:
     return repo, "A", "B"
 
 
+def index_written_later(clone: Path) -> None:
+    """Write the index of ``clone`` again in a later second than the files its checkout
+    wrote, as a repository checked out more than a second ago has it. git compares
+    modification times in whole seconds, so the next command reads again every file
+    modified in the second the index was written ("racily clean"). Left so, the timed
+    checkout re-read a random number of files (those the setup's checkout wrote in its
+    last second: 0 to 1,600 here), and that, not the filesystem, made most of the spread
+    between runs (docs/benchmarks.md, thirty-eighth round)."""
+    index = clone / ".git" / "index"
+    later = math.floor(index.stat().st_mtime) + 1 + 0.05    # past the kernel's coarse clock
+    time.sleep(max(0.0, later - time.time()))
+    run("git", "-C", clone, "update-index", "-q", "--refresh", "--force-write-index")
+
+
 def checkout_clone(repo: Path, a: str, root: Path, remount) -> Path:
     """A copy of ``repo`` under ``root`` checked out at ``a``, with every cache cold (the
     mount remounted when ``remount`` is given, the page cache dropped)."""
     clone = root / "repo"
     run("cp", "-a", repo, clone)
     run("git", "-C", clone, "checkout", "-qf", a)
+    index_written_later(clone)
     if remount:
         remount()
     drop_caches()

@@ -5,6 +5,7 @@ cannot unmount what it mounted; the next run must clear it, so that no store sta
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -189,3 +190,25 @@ time.sleep(60)
             os.kill(child, signal.SIGKILL)
         fs.kill()
         fs.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the benchmark's setup drops the page cache")
+def test_the_timed_checkout_starts_from_an_index_with_no_racily_clean_entry(tmp_path):
+    """git compares modification times in whole seconds and reads again every file modified
+    in the second its index was written. The setup's checkout leaves the index written a
+    second later than any file it wrote, so the timed checkout reads no file again: before,
+    it re-read those the setup wrote in its last second, a random number."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_io
+    work = type("Work", (), {"path": tmp_path})()
+    repo, a, _ = bench_io.synthetic_repo(work, 300)
+    (tmp_path / "root").mkdir()
+    clone = bench_io.checkout_clone(repo, a, tmp_path / "root", None)
+    listed = subprocess.run(["git", "-C", str(clone), "ls-files", "--debug"],
+                            capture_output=True, text=True, check=True).stdout
+    seconds = [int(s) for s in re.findall(r"^  mtime: (\d+):", listed, re.MULTILINE)]
+    assert len(seconds) == int(subprocess.run(
+        ["git", "-C", str(clone), "ls-files"], capture_output=True, text=True,
+        check=True).stdout.count("\n"))
+    index_second = int((clone / ".git" / "index").stat().st_mtime)
+    assert max(seconds) < index_second
