@@ -5,6 +5,8 @@ interpreters, from sys.modules, not from timings."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("mountfs", "replicator", "daemon", "cmdline")
 HEAVY = ("replicator", "daemon", "pyspark", "py4j", "trio", "pyfuse3", "httpx", "lmdb",
          "blake3", "tqdm", "prometheus_client")
 
@@ -85,3 +88,36 @@ def test_no_package_imports_one_above_it(package, above):
     wrong = {name: sorted(found & above)
              for name, found in imported_packages(package).items() if found & above}
     assert not wrong, f"{package} imports upwards: {wrong}"
+
+
+def test_the_modules_snapctl_create_loads_start_from_current_bytecode():
+    """scripts/setup.sh compiles the packages: where writing bytecode is off
+    (PYTHONDONTWRITEBYTECODE), an editable install would otherwise compile every module
+    again at each start of a command that has 100 ms for all it does."""
+    res = subprocess.run([sys.executable, "-c", "from cmdline.snapctl import main\n"
+                          "main.get_command(None, 'create')\nimport sys\n"
+                          "print('\\n'.join(m.__file__ for m in list(sys.modules.values())\n"
+                          "    if getattr(m, '__file__', None)))"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert res.returncode == 0, res.stderr
+    ours = [Path(f) for f in res.stdout.split("\n") if f.endswith(".py")
+            and Path(f).is_relative_to(ROOT) and Path(f).relative_to(ROOT).parts[0] in PACKAGES]
+    assert ours
+    stale = [str(f.relative_to(ROOT)) for f in ours if not current_bytecode(f)]
+    assert not stale, f"no current bytecode for {stale}: run scripts/setup.sh"
+
+
+def current_bytecode(source: Path) -> bool:
+    """Whether ``source`` has a .pyc that its import takes as it is (the header's magic,
+    and the source's mtime and size, as a timestamp-checked pyc records them)."""
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    try:
+        head = cached.read_bytes()[:16]
+    except FileNotFoundError:
+        return False
+    st = source.stat()
+    return (head[:4] == importlib.util.MAGIC_NUMBER and head[4:8] == bytes(4)
+            and int.from_bytes(head[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF
+            and int.from_bytes(head[12:16], "little") == st.st_size & 0xFFFFFFFF)
+
