@@ -72,17 +72,30 @@ def test_a_wait_that_polls_finds_what_comes_and_the_thread_kept_looking(polling_
 
 def test_an_idle_loop_stops_polling_after_one_window(polling_for):
     """40 waits of 20 ms, nothing coming: the first polls its 5 ms, then every one sleeps
-    at once (a loop that polled each would use 0.2 s)."""
+    at once; a loop that polled each would use 0.2 s more CPU than one that never polls.
+    Measured against that loop, in the same minute: 40 wake-ups of a trio loop cost
+    0.05-0.11 s of CPU on this VM by themselves (a fixed bound under them failed in CI)."""
+    assert not getattr(EpollIOManager.get_events, "polls_first", False)
+    never = idle_cpu()
     polling_for(0.005)
+    polled = idle_cpu()
+    assert polled - never < 0.1, (f"{polled:.3f} s of CPU in 0.8 s of idle waits against "
+                                  f"{never:.3f} without polling: it kept polling")
 
+
+def idle_cpu() -> float:
+    """The trio thread's CPU seconds over 40 waits of 20 ms with nothing coming: the least
+    of three loops (the CPU of a wake-up varies with what else the VM runs)."""
     async def idle():
         for _ in range(40):
             await trio.sleep(0.02)
 
-    start = time.thread_time()
-    trio.run(idle)
-    cpu = time.thread_time() - start
-    assert cpu < 0.08, f"{cpu:.3f} s of CPU in 0.8 s of idle waits: it kept polling"
+    used = []
+    for _ in range(3):
+        start = time.thread_time()
+        trio.run(idle)
+        used.append(time.thread_time() - start)
+    return min(used)
 
 
 def test_short_waits_bring_polling_back(polling_for, pair):
