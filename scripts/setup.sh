@@ -29,6 +29,9 @@ echo "setup: installing mountfs into .venv"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
 # An editable install leaves the source uncompiled. Compiled now, every command starts from
 # bytecode even where writing it is off (PYTHONDONTWRITEBYTECODE, set in many container
-# images), which would have each start compile every module it loads again.
-PYTHONDONTWRITEBYTECODE= .venv/bin/python -m compileall -q mountfs replicator daemon cmdline >/dev/null
+# images), which would have each start compile every module it loads again. Timestamp
+# checked, as an import writes them, also where SOURCE_DATE_EPOCH would make them hashed;
+# errors (a syntax error) are shown, and stop the setup.
+PYTHONDONTWRITEBYTECODE= .venv/bin/python -m compileall -q --invalidation-mode timestamp \
+    mountfs replicator daemon cmdline
 echo "setup: done (.venv/bin/mountfs, .venv/bin/snapctl)"
