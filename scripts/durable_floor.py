@@ -7,8 +7,8 @@ Not part of the package.
     python scripts/durable_floor.py MOUNTPOINT STOREDIR [--timeout S] [--writeback]
 
 It answers every request from memory exactly as nullfs.py does, and also records each change
-(an inode's attributes, a directory entry, a closed file's data) as a key and value. Every
-2 ms the changes of those milliseconds go, as one pickled frame, down a pipe to a writer
+(an inode's attributes, a directory entry, the data of a file closed or fsynced) as a key
+and value. Every 2 ms the changes of those milliseconds go, as one pickled frame, down a pipe to a writer
 process (scripts/floor_writer.py) that puts them into an LMDB environment opened as mountfs
 opens its store (``sync=True, metasync=False``) and commits once the oldest uncommitted
 change is 5 ms old: mountfs's posted steps, group commit and commit delay, without anything
@@ -141,6 +141,10 @@ class DurableNullFS(NullFS):
 
     async def flush(self, fh):
         """A closed file's data is recorded, as mountfs commits it at close."""
+        self._record_written(fh)
+
+    def _record_written(self, fh) -> None:
+        """The data of file ``fh``, if written since it was last recorded, as changes."""
         if fh in self.written and fh in self.nodes:
             self.written.discard(fh)
             n = self.nodes[fh]
@@ -163,6 +167,9 @@ class DurableNullFS(NullFS):
         self._changed(b"x" + _U64.pack(inode) + name, None)
 
     async def fsync(self, fh, datasync):
+        """The file's data written so far is recorded first, as mountfs commits it at
+        fsync: an fsync promises it, whether the file is closed yet or not."""
+        self._record_written(fh)
         await self.durable()
 
     async def fsyncdir(self, fh, datasync):

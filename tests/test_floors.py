@@ -5,6 +5,7 @@ store even when the floor and its writer are killed with SIGKILL right after."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -119,6 +120,22 @@ def test_an_fsync_that_returned_survives_a_kill9_of_the_floor_and_its_writer(flo
     floor.kill9()
 
     assert floor.tree() == {"kept": data}
+
+
+@pytest.mark.fuse
+def test_an_fsync_of_a_file_still_open_keeps_its_data_through_a_kill9(floor):
+    """As a database or fio's --end_fsync does: write, fsync, and only then close."""
+    data = os.urandom((1 << 20) + 4096)
+    fd = os.open(floor.mnt / "open", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+        floor.kill9()
+    finally:
+        with contextlib.suppress(OSError):      # its filesystem is gone
+            os.close(fd)
+
+    assert floor.tree() == {"open": data}
 
 
 @pytest.mark.fuse
