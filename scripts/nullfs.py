@@ -294,7 +294,11 @@ def parse_args(doc: str, durable: bool = False) -> argparse.Namespace:
     if not durable:                 # the durable floor keeps what it is given
         ap.add_argument("--discard", action="store_true",
                         help="discard data (reads give zeros)")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if not os.path.isdir(args.mountpoint):
+        sys.exit(f"{ap.prog}: {args.mountpoint} is not a directory: make it first "
+                 f"(mkdir -p {args.mountpoint})")
+    return args
 
 
 def run_mount(fs: NullFS, mountpoint: str, fsname: str, serving, idle_poll: float) -> None:
@@ -302,7 +306,11 @@ def run_mount(fs: NullFS, mountpoint: str, fsname: str, serving, idle_poll: floa
     ``idle_poll`` seconds before sleeping as mountfs does (``mountfs.idlepoll``)."""
     mountpoint = os.path.realpath(mountpoint)   # before mounting: later it would wait for us
     idlepoll.install(idle_poll)
-    pyfuse3.init(fs, mountpoint, [f"fsname={fsname}", "default_permissions"])
+    try:
+        pyfuse3.init(fs, mountpoint, [f"fsname={fsname}", "default_permissions"])
+    except RuntimeError as e:       # pyfuse3 says only "fuse_session_mount failed"
+        sys.exit(f"{fsname}: could not mount at {mountpoint} ({e}): run as root with "
+                 f"/dev/fuse present, on a directory nothing is mounted on")
     try:
         trio.run(serving, mountpoint)
     finally:

@@ -157,6 +157,18 @@ def test_with_its_writer_gone_the_floors_fsync_fails_instead_of_lying_or_hanging
     assert b"its writer process is gone" in floor.proc.stderr.read()
 
 
+@pytest.mark.parametrize("script", ["nullfs.py", "durable_floor.py"])
+def test_a_floor_given_no_mountpoint_says_so_in_one_line(tmp_path, script):
+    missing = tmp_path / "not-made"
+    args = [str(missing)] + ([str(tmp_path / "store")] if script == "durable_floor.py" else [])
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args],
+                         capture_output=True, text=True, timeout=60)
+
+    assert run.returncode != 0
+    assert run.stderr.splitlines() == [f"{script}: {missing} is not a directory: make it "
+                                       f"first (mkdir -p {missing})"]
+
+
 @pytest.mark.fuse
 @pytest.mark.parametrize("discard", [False, True])
 def test_the_floor_keeps_or_discards_what_is_written(tmp_path, discard):
