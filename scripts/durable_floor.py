@@ -8,14 +8,15 @@ Not part of the package.
 
 It answers every request from memory exactly as nullfs.py does, and also records each change
 (an inode's attributes, a directory entry, the data of a file closed or fsynced) as a key
-and value. Every 2 ms the changes of those milliseconds go, as one pickled frame, down a pipe to a writer
-process (scripts/floor_writer.py) that puts them into an LMDB environment opened as mountfs
-opens its store (``sync=True, metasync=False``) and commits once the oldest uncommitted
-change is 5 ms old: mountfs's posted steps, group commit and commit delay, without anything
-else mountfs does (no versions per epoch, no mepoch, no bucket hashes, no chunk digests, no
-reads of the store). fsync sends at once and waits for the commit that holds it (EIO once
-the writer is gone). The writer reads the pipe in one thread and puts and commits in
-another, as mountfs's does, so that a commit's sync does not stop the pipe.
+and value. Every 2 ms the changes of those milliseconds go, as one pickled frame, down a
+pipe to a writer process (scripts/floor_writer.py) that puts them into an LMDB environment
+opened as mountfs opens its store (``sync=True, metasync=False``) and commits once the
+oldest uncommitted change is 5 ms old: mountfs's posted steps, group commit and commit
+delay, without anything else mountfs does (no versions per epoch, no mepoch, no bucket
+hashes, no chunk digests, no reads of the store). fsync sends at once and waits for the
+commit that holds it (EIO once the writer is gone). The writer reads the pipe in one
+thread and puts and commits in another, as mountfs's does, so that a commit's sync does
+not stop the pipe.
 
 What it measures: the distance between this floor and nullfs.py is the cost of durability
 itself on this machine (a second busy process on the same cores, the pipe, the puts and the
