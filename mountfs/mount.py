@@ -174,9 +174,9 @@ async def _remove_orphans(engine: Engine) -> None:
 
 
 async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> None:
-    import pyfuse3
     import trio
 
+    from . import fuseloop
     from .controlserver import ControlServer
     from .namespace import FsError
     engine.start()
@@ -196,7 +196,7 @@ async def _serve(engine: Engine, ops: Operations, mountpoint: str, ready) -> Non
             ready(None)
         notify(READY="1", STATUS=f"mounted {engine.store.path} at {mountpoint}")
         log.info("mounted %s at %s", engine.store.path, mountpoint)
-        await pyfuse3.main()
+        await fuseloop.main()
         log.info("unmounting %s: flushing", mountpoint)
         notify(STOPPING="1", STATUS="unmounting: flushing")
         engine.files.nursery = None

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The floor for scripts/bench_io.py: a filesystem on pyfuse3 and trio that does nothing but
-keep names in dicts and data in memory. Whatever it costs, every pyfuse3 filesystem pays;
-mountfs cannot be faster than this with the same kernel options. Not part of the package.
+keep names in dicts and data in memory, served by mountfs's request loop and idle polling
+(mountfs/fuseloop.py, mountfs/idlepoll.py) as the mount is. Whatever it costs, every
+filesystem on pyfuse3 and trio served that way pays; mountfs cannot be faster than this with
+the same kernel options. Not part of the package.
 
     python scripts/nullfs.py MOUNTPOINT [--timeout 300] [--writeback] [--discard]
 
@@ -26,7 +28,7 @@ import trio
 from mountfs.errors import StoreError
 
 try:        # importing these reads the $MOUNTFS_* tuning variables, as the mount does
-    from mountfs import idlepoll
+    from mountfs import fuseloop, idlepoll
     from mountfs.mount import set_readahead
     from mountfs.ops import ACL_XATTRS
 except StoreError as e:
@@ -274,7 +276,7 @@ async def serve(fs: NullFS, mountpoint: str) -> None:
         set_readahead(f"{os.major(dev)}:{os.minor(dev)}", mountpoint)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(raise_readahead)
-        await pyfuse3.main()
+        await fuseloop.main()       # mountfs's request loop
 
 
 def parse_args(doc: str, durable: bool = False) -> argparse.Namespace:
