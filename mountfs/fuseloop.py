@@ -4,7 +4,7 @@ request reads the next one itself, unless its handler had to wait.
 Why: pyfuse3's loop (``pyfuse3.main``) keeps a second worker task waiting for ``/dev/fuse``
 behind a lock while the first one answers a request; when the next request comes, the lock
 passes back, so every request wakes two tasks, one of which only goes back to waiting. With
-one worker, a do-nothing filesystem makes 14-16% more creates and 15-22% more deletes per
+one worker, a do-nothing filesystem makes 14-20% more creates and 13-22% more deletes per
 second on this project's test machine (docs/benchmarks.md, fortieth round), but then a
 handler that waits (for the writer, a worker thread, a lock) would stop every other request,
 or deadlock when what it waits for needs a request of its own.
