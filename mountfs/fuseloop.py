@@ -28,6 +28,7 @@ namespace (pyfuse3 3.5). If either is not as expected, ``main`` serves with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -45,11 +46,9 @@ def device_fd() -> int | None:
     holds none or several."""
     found = []
     for name in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed meanwhile
             if os.readlink(f"/proc/self/fd/{name}") == DEVICE:
                 found.append(int(name))
-        except OSError:         # the directory's own descriptor, closed meanwhile
-            pass
     return found[0] if len(found) == 1 else None
 
 
@@ -65,8 +64,8 @@ class Readers(trio.abc.Instrument):
         self.answering = False          # the reader has read a request and not yet asked
                                         # for the next one
         self.spares = trio.lowlevel.ParkingLot()
-        self.workers: set[trio.lowlevel.Task] = set()
-        self.started = 0                # workers started here, for their names
+        self.workers: set[trio.lowlevel.Task] = set()  # those that have asked for a request
+        self.started = 0                # spares started here (they run until the loop ends)
         self.closed = False
 
     async def wait(self) -> bool:
@@ -75,12 +74,13 @@ class Readers(trio.abc.Instrument):
         task = trio.lowlevel.current_task()
         if task is self.reader:
             self.answering = False
-        elif task not in self.workers:      # pyfuse3.main's own first worker
-            self.workers.add(task)
+        self.workers.add(task)
         while not self.closed:
             if self.reader is None:
                 self.reader = task
-                if not self.spares and len(self.workers) < MAX_WORKERS:
+                # pyfuse3.main's own worker and the spares, counted as started: a spare
+                # not yet run is neither parked nor among ``workers``
+                if not self.spares and 1 + self.started < MAX_WORKERS:
                     self._start_spare()
             if self.reader is task:
                 try:
