@@ -29,6 +29,7 @@ from .committer import COMMIT, LIVE, LOOK, SYNC, TXN, Step, mispredicted
 from .filecache import INLINE_HASH, FileCache
 from .mapread import resident
 from .namespace import FsError, Live, View
+from .newdirs import NewDirs
 from .store import Store
 from .writer import RAW_BYTES, WriterProcess
 
@@ -79,6 +80,7 @@ class Engine:
         self.changes = 0                            # live changes and TXN steps sent, and
                                                     # awaited ones answered, so far
         self._absent: tuple | None = None           # (parent, name, changes): note_absent
+        self.new_dirs = NewDirs()                   # negative lookups answered from memory
         with store.read() as txn:
             self.live = store.live_epoch(txn)       # a TXN step's reply moves it on
         self._committer = None if store.readonly else \
@@ -557,7 +559,7 @@ class Engine:
         (``FileCache.behind``, which ``tell_kernel`` empties)."""
         snap = self.snapshot(name)
         files = self.files
-        async with self._rolling:
+        async with self._rolling, self._behind_the_kernel():
             await files.hold()
             try:
                 if not force:
@@ -584,13 +586,25 @@ class Engine:
         self._gc_wakeup.set()
         return done
 
+    @contextlib.asynccontextmanager
+    async def _behind_the_kernel(self):
+        """Around a change of live names that no call of the mount's makes (rollback,
+        restore): the names known in memory (``new_dirs``) are dropped before and after,
+        and none are taken up meanwhile."""
+        self.new_dirs.behind(starting=True)
+        try:
+            yield
+        finally:
+            self.new_dirs.behind(starting=False)
+
     async def restore_path(self, name: str, path: str, dest: str, force: bool):
         """``snapshots.restore_path`` on the mount: the inodes it replaced stay orphans
         (in the result) for the caller to delete once the kernel does not hold them."""
         snap = self.snapshot(name)
         await self.files.flush_all()
-        result = await self.mutate_in_thread(snapshots.restore_path, self.chunk_size,
-                                             snap, path, dest, force, True)
+        async with self._behind_the_kernel():
+            result = await self.mutate_in_thread(snapshots.restore_path, self.chunk_size,
+                                                 snap, path, dest, force, True)
         await self.sync()
         self._gc_wakeup.set()
         return result

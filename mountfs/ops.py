@@ -237,10 +237,14 @@ class Operations(pyfuse3.Operations):
         if len(name) > S.NAME_MAX:      # before the lookup: POSIX says so, not ENOENT
             raise FsError(errno.ENAMETOOLONG)
         epoch, real = self._where(parent_inode)
-        if epoch is None and self.engine.dirty((real, name)):
-            attrs = self._known_lookup(parent_inode, real, name)
-            if attrs is not None:
-                return attrs
+        if epoch is None:
+            if self.engine.new_dirs.absent(real, name):
+                self.engine.note_absent(real, name, self.engine.changes)
+                return self._absent(live=True)
+            if self.engine.dirty((real, name)):
+                attrs = self._known_lookup(parent_inode, real, name)
+                if attrs is not None:
+                    return attrs
 
         def find(v):
             child = v.lookup(real, name)
@@ -421,12 +425,17 @@ class Operations(pyfuse3.Operations):
 
     async def _make(self, parent, name, mode, ctx, rdev=0, target=b""):
         self._check_new_name(parent, name)
+        new_dirs = self.engine.new_dirs
+        new_dirs.naming(parent, name)
+        since = new_dirs.begin()
         made = self._post_create(parent, name, mode, ctx.uid, ctx.gid, rdev, target)
         if made is _NO_INOS:            # this create waits; the next ones use the block
             await self.engine.reserve_inos()
             made = None
         ino, rec = made or await self.engine.mutate(
             Live.create, parent, name, mode, ctx.uid, ctx.gid, rdev, target)
+        if mode & _S_IFMT == stat.S_IFDIR:
+            new_dirs.made(ino, since)
         self._counted(ino)
         self._remember_no_capability(ino)      # new: no xattrs at all
         return self._attrs(ino, rec, live=True)
@@ -479,6 +488,7 @@ class Operations(pyfuse3.Operations):
     async def link(self, inode, new_parent_inode, new_name, ctx):
         self._writable(inode)
         self._check_new_name(new_parent_inode, new_name)
+        self.engine.new_dirs.naming(new_parent_inode, new_name)
         rec = await self.engine.mutate(Live.link, inode, new_parent_inode, new_name)
         self._counted(inode)
         return self._attrs(inode, rec, live=True)
@@ -588,6 +598,7 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.EPERM)
         noreplace = bool(flags & pyfuse3.RENAME_NOREPLACE)
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
+        self.engine.new_dirs.naming(parent_inode_new, name_new)
         await self._removed(Live.rename, parent_inode_old, name_old, parent_inode_new,
                             name_new, noreplace, exchange)
 
