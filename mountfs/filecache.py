@@ -61,8 +61,9 @@ class DirtyChunk:
     content; otherwise the stored chunk has not been read yet and ``data`` holds only the
     written [start, end) ranges (zeros elsewhere): a small write into a stored chunk costs
     no read of the chunk until it is read back or committed (``FileCache._merge``).
-    ``data`` is the WRITE's own ``bytes`` when one write covered the whole chunk (no copy
-    to buffer it, none to commit it), made a bytearray by the next write into it."""
+    ``data`` is the WRITE's own ``bytes`` when one write covered the whole chunk, or began
+    it with nothing stored after (no copy to buffer it, none to commit it), made a
+    bytearray by the next write into it."""
     __slots__ = ("data", "gen", "since", "ranges", "queued")
 
     def __init__(self, data: bytearray, ranges: list[tuple[int, int]] | None = None):
@@ -154,6 +155,8 @@ class CommitLock:
 
 class OpenFile:
     """Per-inode write state, shared by every handle open on the inode."""
+    __slots__ = ("ino", "size", "mtime_ns", "dirty", "queued", "flushing", "flush_pending",
+                 "flush_also", "opens", "lock", "error", "dropped")
 
     def __init__(self, ino: int, size: int):
         self.ino = ino
@@ -325,10 +328,12 @@ class FileCache:
         whether the chunk is now complete (it can be committed without reading back)."""
         cs = self.engine.chunk_size
         dc = of.dirty.get(idx)
-        if dc is None and within == 0 and len(piece) == cs:     # buffered as it came
+        if dc is None and within == 0 and (len(piece) == cs or idx * cs >= of.size):
+            # buffered as it came: the whole chunk, or all of it there is (a new file's
+            # first write: nothing stored past the size)
             self._add_dirty(of, idx, DirtyChunk(piece if type(piece) is bytes
                                                 else bytes(piece)))
-            return True
+            return len(piece) == cs
         if dc is None:      # nothing stored past the size: nothing to read back
             dc = self._add_dirty(of, idx, DirtyChunk(
                 bytearray(), None if idx * cs >= of.size else []))

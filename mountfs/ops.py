@@ -324,6 +324,10 @@ class Operations(pyfuse3.Operations):
 
     @guard
     async def getattr(self, inode, ctx=None):
+        if inode < VIRT_BASE:       # live: without the two coroutines of ``_attrs_of``
+            rec = self.engine.known_inode(inode)
+            if rec is not None:
+                return self._attrs(inode, rec, live=True)
         return await self._attrs_of(inode)
 
     # ---- attributes that change --------------------------------------------------------------
