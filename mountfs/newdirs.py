@@ -16,8 +16,8 @@ rename away, a create that failed), which only sends that lookup to the tree. Ke
 * ``behind()``: a rollback or restore (TXN steps that change the live tree behind the
   kernel's back) drops everything, when it starts and again when it ends, and nothing is
   taken up while one runs.
-Inode numbers are never reused (``schema``: the next number is not versioned), so a
-directory removed and forgotten here only holds memory until it is evicted.
+Inode numbers are never reused (the store's next number only grows, a rollback
+included), so a removed directory held here costs only memory until it is evicted.
 
 Bounded: at most ``MAX_NAMES`` names in all, a directory counting as one; past it the
 directories made longest ago go first.
