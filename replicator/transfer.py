@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 import threading
@@ -57,25 +58,60 @@ def spark_session(master: str | None = None):
     global _session
     with _session_lock:
         if _session is None:
-            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-            os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-            from pyspark.sql import SparkSession
-            builder = (SparkSession.builder.appName("mountfs-replicate")
-                       .master(master or EMBEDDED_MASTER)
-                       .config("spark.ui.enabled", "false")
-                       .config("spark.ui.showConsoleProgress", "false")
-                       .config("spark.task.maxFailures", "4")
-                       .config("spark.python.worker.reuse", "true")
-                       .config("spark.driver.extraJavaOptions", QUIET_LOGGING)
-                       .config("spark.executor.extraJavaOptions", QUIET_LOGGING))
-            try:
-                with _stderr_to(spark_log_path()):
-                    _session = builder.getOrCreate()
-            except Py4JError as e:
-                raise TransferFailed(f"cannot start Spark with master "
-                                     f"{master or EMBEDDED_MASTER}: {_spark_message(e)}") from None
-            _session.sparkContext.setLogLevel("ERROR")
+            _session = _started(master or EMBEDDED_MASTER)
         return _session
+
+
+def _started(master: str):
+    """A new session, started in a thread of its own while this one waits: PySpark gives a
+    session started in the main thread a SIGINT handler that calls the JVM wherever Ctrl-C
+    lands, also in the middle of another py4j call on the same connection, which py4j then
+    reports as a Py4JError instead of the interruption. Started elsewhere, it gets none, and
+    Ctrl-C while the JVM starts interrupts only the waiting."""
+    starter, result = _in_thread("spark-start", lambda: _start(master))
+    starter.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _start(master: str):
+    """The session itself; its JVM writes to the Spark log, not to the terminal."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+    builder = (SparkSession.builder.appName("mountfs-replicate")
+               .master(master)
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.task.maxFailures", "4")
+               .config("spark.python.worker.reuse", "true")
+               .config("spark.driver.extraJavaOptions", QUIET_LOGGING)
+               .config("spark.executor.extraJavaOptions", QUIET_LOGGING))
+    try:
+        with _stderr_to(spark_log_path()):
+            session = builder.getOrCreate()
+    except Py4JError as e:
+        raise TransferFailed(f"cannot start Spark with master {master}: "
+                             f"{_spark_message(e)}") from None
+    session.sparkContext.setLogLevel("ERROR")
+    return session
+
+
+def _in_thread(name: str, fn) -> tuple[threading.Thread, dict]:
+    """``fn()`` started in a daemon thread; its "value", or the "error" it raised, is left in
+    the dict for the thread that waits for it."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as e:          # handed to the waiting thread
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, result
 
 
 def cancel_all() -> None:
@@ -196,16 +232,56 @@ def send(source, sink, chunk_batches: list, master: str | None = None,
 
 
 def _send(source, sink, chunk_batches, master, stall_seconds, progress) -> Sent:
-    spark = spark_session(master)
-    if embedded(spark.sparkContext.master):
-        return _run(spark.sparkContext, _BatchSender(str(source.path), None, sink,
-                                                     stall_seconds),
-                    chunk_batches, stall_seconds, progress)
-    lengths = {bytes.fromhex(h): n for batch in chunk_batches for h, n in batch}
-    with _chunk_endpoint(spark.sparkContext, source, lengths) as endpoint:
-        task = _BatchSender(None, endpoint.client(), sink, stall_seconds)
-        return _run(spark.sparkContext, task, chunk_batches, stall_seconds, progress,
-                    endpoint.explain)
+    sc = spark_session(master).sparkContext
+    with _SignalsHeld() as held:
+        if embedded(sc.master):
+            return _run(sc, _BatchSender(str(source.path), None, sink, stall_seconds),
+                        chunk_batches, stall_seconds, progress, held)
+        lengths = {bytes.fromhex(h): n for batch in chunk_batches for h, n in batch}
+        with _chunk_endpoint(sc, source, lengths) as endpoint:
+            task = _BatchSender(None, endpoint.client(), sink, stall_seconds)
+            return _run(sc, task, chunk_batches, stall_seconds, progress, held,
+                        endpoint.explain)
+
+
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _SignalsHeld:
+    """While the main thread talks to the JVM, Ctrl-C (SIGTERM, SIGHUP) is only noted, and
+    acted on at a point between py4j calls (``deliver``) or on leaving, also over an error
+    that came after it. Raised in the middle of a py4j call, KeyboardInterrupt made py4j
+    tear the thread's connection down, and when it landed just as the call ended (the
+    connection back in py4j's pool) the second teardown raised Py4JError in its place: the
+    run said "lost the Spark driver" instead of "interrupted". Raised in a py4j finalizer,
+    it was printed and dropped: the run went on. Other threads take no signals: for them
+    nothing changes."""
+
+    def __init__(self):
+        self.handlers: dict = {}
+        self.arrived: list[int] = []
+
+    def __enter__(self) -> "_SignalsHeld":
+        if threading.current_thread() is threading.main_thread():
+            for s in HELD_SIGNALS:
+                if callable(signal.getsignal(s)):
+                    self.handlers[s] = signal.signal(s, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.arrived.append(signum)
+
+    def deliver(self) -> None:
+        """Act on the signals that arrived as their own handlers would have: raise
+        KeyboardInterrupt (Interrupted under ``signals_raise``)."""
+        while self.arrived:
+            signum = self.arrived.pop(0)
+            self.handlers[signum](signum, None)
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.handlers.items():
+            signal.signal(s, handler)
+        self.deliver()
 
 
 def _chunk_endpoint(sc, source, lengths):
@@ -225,26 +301,21 @@ def _chunk_endpoint(sc, source, lengths):
                              f"reach") from None
 
 
-def _run(sc, task, chunk_batches, stall_seconds, progress, explain=None) -> Sent:
+def _run(sc, task, chunk_batches, stall_seconds, progress, held, explain=None) -> Sent:
     group = f"mountfs-{os.getpid()}-{time.monotonic_ns()}"
-    result: dict = {}
 
     def run():
-        try:
-            sc.setJobGroup(group, "mountfs replicate", interruptOnCancel=True)
-            rdd = sc.parallelize(chunk_batches, len(chunk_batches))
-            result["value"] = rdd.map(task).collect()
-        except BaseException as e:          # handed to the waiting thread below
-            result["error"] = e
+        sc.setJobGroup(group, "mountfs replicate", interruptOnCancel=True)
+        rdd = sc.parallelize(chunk_batches, len(chunk_batches))
+        return rdd.map(task).collect()
 
-    worker = threading.Thread(target=run, name="spark-transfer", daemon=True)
-    worker.start()
+    worker, result = _in_thread("spark-transfer", run)
     sizes = [sum(n for _, n in batch) for batch in chunk_batches]
     chunks = sum(len(batch) for batch in chunk_batches)
     report = (lambda done: progress(sum(sizes[:done]), sum(sizes), chunks)) if progress \
         else None
     try:
-        _watch(sc, group, worker, len(chunk_batches), stall_seconds, report, explain)
+        _watch(sc, group, worker, len(chunk_batches), stall_seconds, report, held, explain)
     except Py4JError as e:
         raise TransferFailed(f"lost the Spark driver ({e.__class__.__name__}); chunks that "
                              f"arrived are kept, run again to resume") from None
@@ -304,17 +375,20 @@ class TransferStalled(TransferFailed):
 START_SECONDS = 120.0               # at least this long for the first task to start
 
 
-def _watch(sc, group, worker, total, stall_seconds, progress, explain=None) -> None:
+def _watch(sc, group, worker, total, stall_seconds, progress, held,
+           explain=None) -> None:
     """Report finished batches; cancel the job when none finishes for ``stall_seconds``
     while tasks are running (the clock starts with the first running task, so starting
     executors and Python workers is not a stall), or when no task starts at all within
     ``max(stall_seconds, START_SECONDS)`` (no executor left: a worker died, the cluster is
-    full). ``explain()`` says, for remote executors, which side they could not reach."""
+    full). ``explain()`` says, for remote executors, which side they could not reach. A
+    signal ``held`` is acted on between two rounds of questions to the JVM."""
     done, last_change, submitted = 0, None, time.monotonic()
     tracker = sc.statusTracker()
     explain = _with_lost_executors(sc, explain)
     while worker.is_alive():
         worker.join(0.2)
+        held.deliver()
         explain.poll()
         now_done, running = _task_counts(tracker, group)
         if now_done != done:

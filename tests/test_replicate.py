@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import blake3
 import pytest
+from py4j.protocol import Py4JError
 
 from mountfs import schema as S
 from mountfs import snapshots
+from mountfs.interrupts import Interrupted, signals_raise
 from mountfs.namespace import Live
 from mountfs.store import Store
 from replicator import changeset, mirror as mirrormod, transfer
@@ -263,6 +266,97 @@ def test_a_spark_job_waiting_for_its_turn_does_not_start_after_cancel_all():
         transfer.cancel_all()
     waiting.join(30)
     assert failed == ["cancelled before it started; run again to resume"]
+
+
+def held_sink(release: Path):
+    """A sink whose puts wait until ``release`` exists: a job that runs until the test lets
+    it go (a class made here, so that Spark pickles it whole for its workers)."""
+    class Held:
+        def put(self, chunks):
+            while not release.exists():
+                time.sleep(0.05)
+            return 0, 0
+
+        def missing(self, digests):
+            return digests
+    return Held()
+
+
+def signal_at(n: int, signum: int):
+    """A trace function for the main thread that sends ``signum`` to this process at the
+    ``n``-th line of py4j code it runs once the transfer has begun (``transfer._run``): the
+    handler runs right there, as when the signal lands in the middle of a call to the JVM.
+    (Earlier, a py4j finalizer of an earlier job may run: a signal there is not this
+    transfer's.)"""
+    seen, begun = 0, False
+
+    def tracer(frame, event, arg):
+        nonlocal seen, begun
+        begun = begun or frame.f_code is transfer._run.__code__
+        if not begun or "/py4j/" not in frame.f_code.co_filename:
+            return None
+        seen += 1
+        if seen == n:
+            sys.settrace(None)
+            os.kill(os.getpid(), signum)
+        return tracer
+    return tracer
+
+
+def two_batches(m: Mount) -> list:
+    """Batches of the two chunks of a file written between snapshots s0 and s1 of ``m``."""
+    m.snapctl("create", "s0")
+    (m.mnt / "f").write_bytes(os.urandom(2 << 20))
+    m.snapctl("create", "s1")
+    return transfer.batches(sorted(source_changeset(m, "s0", "s1").digests().items()),
+                            1 << 20)
+
+
+def send_held(m: Mount, batches: list, release: Path) -> None:
+    """Send ``batches`` to a sink that holds the job until ``send`` is interrupted; then let
+    the job go and cancel it. A lost interrupt ends as a stall, not as a hung test."""
+    source = Store.open(m.store, readonly=True, lock=False)
+    try:
+        transfer.send(source, held_sink(release), batches, stall_seconds=60)
+    finally:
+        release.touch()
+        transfer.cancel_all()
+        source.close()
+
+
+@pytest.mark.parametrize("signum, raised", [
+    (signal.SIGINT, KeyboardInterrupt),               # Ctrl-C
+    (signal.SIGTERM, Interrupted),                    # under signals_raise, as replicate
+], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_anywhere_in_a_spark_transfer_is_the_interruption(spark, mounted, tmp_path,
+                                                                   signum, raised):
+    """Ctrl-C landing in the middle of a py4j call made while the job was watched came out
+    as a Py4JError now and then ("lost the Spark driver"), or was dropped in a py4j
+    finalizer. The signal lands at one point after another of those calls."""
+    batches = two_batches(mounted)
+    for n in range(1, 400, 7):
+        sys.settrace(signal_at(n, signum))
+        try:
+            with signals_raise((signal.SIGTERM,)), pytest.raises(raised):
+                send_held(mounted, batches, tmp_path / f"release{n}")
+        finally:
+            sys.settrace(None)
+
+
+@pytest.mark.parametrize("signalled", [False, True], ids=["alone", "after-ctrl-c"])
+def test_a_py4j_error_is_a_lost_driver_unless_a_signal_came_first(spark, mounted, tmp_path,
+                                                                  monkeypatch, signalled):
+    """A Py4JError while the job is watched is the driver lost; after a Ctrl-C it is taken
+    for the interruption's doing: the run was interrupted."""
+    def lost(tracker, group):
+        if signalled:
+            os.kill(os.getpid(), signal.SIGINT)
+        raise Py4JError("An error occurred while calling o42.getJobIdsForGroup")
+    monkeypatch.setattr(transfer, "_task_counts", lost)
+    batches = two_batches(mounted)
+    with pytest.raises(KeyboardInterrupt) if signalled else pytest.raises(
+            transfer.TransferFailed, match=r"^lost the Spark driver \(Py4JError\)"):
+        send_held(mounted, batches, tmp_path / "release")
 
 
 # ---- what the mirror refuses --------------------------------------------------------------
