@@ -324,12 +324,24 @@ def send_held(m: Mount, batches: list, release: Path) -> None:
         source.close()
 
 
+@pytest.fixture
+def ctrl_c_reaches_us():
+    """This process takes SIGINT as a terminal's foreground job does (KeyboardInterrupt),
+    however the test run was started: one started in the background of a script inherits
+    SIGINT ignored, and Python leaves it so (CI's did: these tests then lost every Ctrl-C
+    they sent)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.parametrize("signum, raised", [
     (signal.SIGINT, KeyboardInterrupt),               # Ctrl-C
     (signal.SIGTERM, Interrupted),                    # under signals_raise, as replicate
 ], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_anywhere_in_a_spark_transfer_is_the_interruption(spark, mounted, tmp_path,
-                                                                   signum, raised):
+                                                                   ctrl_c_reaches_us, signum,
+                                                                   raised):
     """Ctrl-C landing in the middle of a py4j call made while the job was watched came out
     as a Py4JError now and then ("lost the Spark driver"), or was dropped in a py4j
     finalizer. The signal lands at one point after another of those calls."""
@@ -345,7 +357,8 @@ def test_a_signal_anywhere_in_a_spark_transfer_is_the_interruption(spark, mounte
 
 @pytest.mark.parametrize("signalled", [False, True], ids=["alone", "after-ctrl-c"])
 def test_a_py4j_error_is_a_lost_driver_unless_a_signal_came_first(spark, mounted, tmp_path,
-                                                                  monkeypatch, signalled):
+                                                                  monkeypatch, ctrl_c_reaches_us,
+                                                                  signalled):
     """A Py4JError while the job is watched is the driver lost; after a Ctrl-C it is taken
     for the interruption's doing: the run was interrupted."""
     def lost(tracker, group):
