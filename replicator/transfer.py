@@ -263,10 +263,31 @@ class _SignalsHeld:
 
     def __enter__(self) -> "_SignalsHeld":
         if threading.current_thread() is threading.main_thread():
-            for s in HELD_SIGNALS:
-                if callable(signal.getsignal(s)):
-                    self.handlers[s] = signal.signal(s, self._note)
+            try:
+                for s in HELD_SIGNALS:
+                    if callable(signal.getsignal(s)):
+                        self.handlers[s] = signal.signal(s, self._note)
+            except BaseException:   # one not yet held arrived meanwhile: acted on as before
+                self._put_back()
+                raise
         return self
+
+    def _put_back(self) -> None:
+        """Every handler back as it was. A signal that arrives meanwhile is acted on by the
+        handler it has then (``signal.signal`` runs those of pending signals first), so one
+        already put back may raise before the next is: the rest still go back, then the
+        first of those interruptions is raised. Left half done, a later SIGTERM would only
+        be noted by a ``_note`` nobody reads: lost."""
+        raised = None
+        for s, handler in self.handlers.items():
+            while True:
+                try:
+                    signal.signal(s, handler)
+                    break
+                except BaseException as e:      # raised once the rest are back
+                    raised = raised or e
+        if raised is not None:
+            raise raised
 
     def _note(self, signum, frame) -> None:
         self.arrived.append(signum)
@@ -279,8 +300,7 @@ class _SignalsHeld:
             self.handlers[signum](signum, None)
 
     def __exit__(self, *exc) -> None:
-        for s, handler in self.handlers.items():
-            signal.signal(s, handler)
+        self._put_back()
         self.deliver()
 
 

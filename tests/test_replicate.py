@@ -4,6 +4,7 @@ after every cycle."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import os
@@ -353,6 +354,39 @@ def test_a_signal_anywhere_in_a_spark_transfer_is_the_interruption(spark, mounte
                 send_held(mounted, batches, tmp_path / f"release{n}")
         finally:
             sys.settrace(None)
+
+
+def test_signals_held_all_go_back_when_a_ctrl_c_comes_on_the_way(ctrl_c_reaches_us):
+    """Leaving a transfer puts SIGINT's handler back first: a Ctrl-C just then raised
+    before SIGTERM's and SIGHUP's were back, which then stayed noted by a holder nobody
+    reads, so a later ``kill`` of the command did nothing."""
+    before = {s: signal.getsignal(s) for s in transfer.HELD_SIGNALS}
+    code = transfer._SignalsHeld._put_back.__code__
+    swap_line = next(code.co_firstlineno + i for i, line in
+                     enumerate(inspect.getsource(code).splitlines())
+                     if "signal.signal(s, handler)" in line)
+    sent = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        if event == "line" and frame.f_lineno == swap_line and \
+                frame.f_locals["s"] == signal.SIGTERM and not sent:
+            sent.append(True)           # SIGINT's handler is back: Ctrl-C now
+            os.kill(os.getpid(), signal.SIGINT)
+        return tracer
+    with signals_raise((signal.SIGTERM, signal.SIGHUP)):
+        outer = {s: signal.getsignal(s) for s in transfer.HELD_SIGNALS}
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                with transfer._SignalsHeld():
+                    pass
+        finally:
+            sys.settrace(None)
+        assert sent
+        assert {s: signal.getsignal(s) for s in transfer.HELD_SIGNALS} == outer
+    assert {s: signal.getsignal(s) for s in transfer.HELD_SIGNALS} == before
 
 
 @pytest.mark.parametrize("signalled", [False, True], ids=["alone", "after-ctrl-c"])
